@@ -1,0 +1,27 @@
+"""A paged KV cache for Hugging Face transformers: `PagedCache` drops into `model.generate`."""
+
+from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
+from .block_pool import BlockPool
+from .cache import CacheStats, PagedCache
+from .errors import PoolExhaustedError
+from .kv_pool import KVPool
+from .memory import KVLayout, bytes_per_block, parse_memory
+
+register_paged_attention()
+
+__all__ = [
+    "ATTENTION_NAME",
+    "BlockPool",
+    "CacheStats",
+    "KVLayout",
+    "KVPool",
+    "PagedCache",
+    "PoolExhaustedError",
+    "bytes_per_block",
+    "paged_sdpa_attention",
+    "parse_memory",
+    "register_paged_attention",
+    "set_paged_attention",
+]
+
+__version__ = "0.1.0"

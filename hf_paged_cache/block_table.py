@@ -1,0 +1,119 @@
+"""Per-sequence block lists of one cache, and the slot arithmetic that maps tokens to pool memory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .block_pool import NULL_BLOCK, BlockPool
+from .errors import PoolExhaustedError
+
+
+class BlockTables:
+    """The block tables of a batch: row `b` stores `num_tokens[b]` tokens in blocks `tables[b]`, in order.
+
+    Token `j` of row `b` lives in block ``tables[b][j // block_size]`` at offset ``j % block_size``. Only real
+    tokens are stored (no padding), so rows of a ragged batch hold different counts. A block can appear
+    in several rows (or several caches) when shared; its reference count in the `BlockPool` says how many
+    tables hold it, and a write into a shared, partly filled last block first copies it (copy-on-write).
+    """
+
+    def __init__(self, blocks: BlockPool):
+        self.blocks = blocks
+        self.tables: list[list[int]] = []
+        self.num_tokens: list[int] = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables)
+
+    def add_rows(self, n: int) -> None:
+        self.tables.extend([] for _ in range(n))
+        self.num_tokens.extend([0] * n)
+
+    def append(self, new_tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Make room for `new_tokens[b]` more tokens in each row; all or nothing.
+
+        Returns the ``(src, dst)`` pairs of shared last blocks that were replaced by private copies: the caller
+        must copy their contents, then `finish_copy_on_write(pairs)`. Raises `PoolExhaustedError`, with the
+        tables and pool untouched, if the pool cannot supply every block the step needs.
+        """
+        size = self.blocks.block_size
+        grow, copy_rows = [], []
+        for row, n in enumerate(new_tokens):
+            table, stored = self.tables[row], self.num_tokens[row]
+            grow.append(-(-(stored + n) // size) - len(table))  # ceil((stored + n) / size) - held
+            if n > 0 and stored % size and self.blocks.refcount(table[-1]) > 1:
+                copy_rows.append(row)
+        needed = sum(grow) + len(copy_rows)
+        new_ids = self.blocks.allocate(needed)
+        if new_ids is None:
+            raise PoolExhaustedError(needed, self.blocks.num_free, self.blocks.capacity, size)
+        pairs = []
+        for row in copy_rows:
+            dst = new_ids.pop()
+            pairs.append((self.tables[row][-1], dst))
+            self.tables[row][-1] = dst
+        for row, n in enumerate(new_tokens):
+            self.tables[row].extend(new_ids.pop() for _ in range(grow[row]))
+            self.num_tokens[row] += n
+        return pairs
+
+    def finish_copy_on_write(self, pairs: list[tuple[int, int]]) -> None:
+        """Drop this cache's hold on the shared blocks it copied away from."""
+        self.blocks.free(src for src, _ in pairs)
+
+    def truncate(self, remove_tokens: Sequence[int]) -> None:
+        """Forget the last `remove_tokens[b]` tokens of each row, freeing blocks no longer needed."""
+        size = self.blocks.block_size
+        for row, n in enumerate(remove_tokens):
+            self.num_tokens[row] -= n
+            keep = -(-self.num_tokens[row] // size)
+            dropped = self.tables[row][keep:]
+            del self.tables[row][keep:]
+            self.blocks.free(reversed(dropped))
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep rows `rows` (repeats allowed, any order): blocks are shared, never copied."""
+        tables = [list(self.tables[r]) for r in rows]
+        num_tokens = [self.num_tokens[r] for r in rows]
+        self.blocks.incref(b for table in tables for b in table)
+        self.release()
+        self.tables, self.num_tokens = tables, num_tokens
+
+    def release(self) -> None:
+        """Give every block back (tail blocks first) and forget all rows."""
+        for table in self.tables:
+            self.blocks.free(reversed(table))
+        self.tables, self.num_tokens = [], []
+
+    def unique_blocks(self) -> dict[int, int]:
+        """Each block held, mapped to the tokens it holds (shared blocks counted once)."""
+        size = self.blocks.block_size
+        filled: dict[int, int] = {}
+        for table, stored in zip(self.tables, self.num_tokens):
+            for i, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(size, stored - i * size))
+        return filled
+
+    def as_tensor(self, device: torch.device) -> torch.Tensor:
+        """``[B, max_blocks]`` int64 block ids, short rows padded with the null block."""
+        width = max(1, max((len(t) for t in self.tables), default=0))
+        padded = [t + [NULL_BLOCK] * (width - len(t)) for t in self.tables]
+        return torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def slots_for_positions(table: torch.Tensor, is_real: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat pool slot of every logical position; padding positions map to the null block's first slot.
+
+    Args:
+        table: ``[B, max_blocks]`` block ids (`BlockTables.as_tensor`).
+        is_real: ``[B, L]`` bool, True where a position holds a stored token (False for padding).
+    Returns:
+        ``[B, L]`` int64 slots ``block * block_size + offset``.
+    """
+    token = (is_real.cumsum(dim=1) - 1).clamp(min=0)  # [B, L] index of each position among its row's tokens
+    block = table.gather(1, token // block_size)  # [B, L]
+    slots = block * block_size + token % block_size  # [B, L]
+    return slots.masked_fill(~is_real, NULL_BLOCK * block_size)

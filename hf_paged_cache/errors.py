@@ -1,0 +1,22 @@
+"""Errors raised by `hf_paged_cache`."""
+
+
+class PoolExhaustedError(RuntimeError):
+    """A forward needed more KV blocks than the pool has free.
+
+    Raised before anything is written, so the pool and every cache on it are exactly as they were: the
+    caller can free other caches, crop this one, or retry with a bigger pool.
+
+    Attributes:
+        needed: blocks the failing step asked for.
+        free: blocks free in the pool at that moment.
+    """
+
+    def __init__(self, needed: int, free: int, total: int, block_size: int):
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"KV block pool exhausted: this step needs {needed} blocks of {block_size} tokens but only {free} of "
+            f"{total} are free. Release or crop other caches on this pool, or build the pool bigger "
+            "(`num_blocks=` or `max_memory=`)."
+        )

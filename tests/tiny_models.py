@@ -1,0 +1,62 @@
+"""Tiny random-weight models of each supported architecture, built from configs (no download)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+VOCAB = 96
+PAD = 0
+
+# model_type -> config overrides giving 2 layers, hidden size 64 and grouped-query attention where the
+# architecture has it; sliding windows are shorter than the test sequences so they really slide.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=12),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+}
+
+
+def tiny_model(model_type: str, attn_implementation: str | None = None, seed: int = 0) -> PreTrainedModel:
+    """A float32 model of `model_type` with random weights, in eval mode."""
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=None,
+        **TINY_CONFIGS[model_type],
+    )
+    torch.manual_seed(seed)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs).eval()
+
+
+def ragged_batch(pads: list[int], length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A left-padded batch: row i has `pads[i]` padding tokens then `length - pads[i]` random tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (len(pads), length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, pad in enumerate(pads):
+        input_ids[row, :pad] = PAD
+        attention_mask[row, :pad] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
