@@ -6,13 +6,34 @@ Pure Python, no torch: the allocator only hands out integers. The tensors those 
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 NULL_BLOCK = 0
 """Block 0 is never handed out. Padding in a block table points at it, so every gather reads valid memory
 (its contents are kept at zero)."""
+
+
+def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of a full block: a hash chained over the block's tokens and (through `parent`) all earlier ones.
+
+    `blake2b` rather than `hash()`: Python salts `hash()` per process, so its keys would differ between
+    runs and processes; blake2b's do not, and 128 bits make accidental collisions negligible (a hit is
+    still confirmed by comparing tokens).
+    """
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    hits: int  # full blocks found by `match_prefix`
+    misses: int  # full blocks looked up and not found
+    evictions: int  # cached blocks whose contents were given up to make room
+    cached_blocks: int  # blocks currently findable by their prefix (held or free)
 
 
 class BlockPool:
@@ -22,9 +43,14 @@ class BlockPool:
     appends at the back, both O(1), and a specific block can also leave it in O(1) (which a plain deque
     cannot do). A block is free exactly when its reference count is 0.
 
-    Thread safety: `_lock` guards `_free` and `_refcounts` together, so concurrent caches on one pool never
-    receive the same block and never double-free one. Each public method takes it once; no method calls
-    back into user code while holding it.
+    Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block
+    that nobody holds stays in the free list with its contents and its key, so `match_prefix` can take it
+    back; it loses both only when `allocate` hands it out again (an eviction). The free list's order makes
+    that least-recently-freed first.
+
+    Thread safety: `_lock` guards the free list, the reference counts, the prefix index and the counters
+    together, so concurrent caches on one pool never receive the same block, never double-free one and
+    never see a half-updated index. Each public method takes it once; none calls user code while holding it.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16):
@@ -39,6 +65,9 @@ class BlockPool:
         self._lock = threading.Lock()
         self._refcounts = [0] * num_blocks  # holders of each block; the null block stays at 0 forever
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._by_hash: dict[bytes, int] = {}  # prefix key -> the block holding those tokens
+        self._cached: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its key, its tokens)
+        self._hits = self._misses = self._evictions = 0
 
     @property
     def capacity(self) -> int:
@@ -65,6 +94,9 @@ class BlockPool:
             block_ids = [self._free.popitem(last=False)[0] for _ in range(n)]
             for block_id in block_ids:
                 self._refcounts[block_id] = 1
+                if block_id in self._cached:  # its old contents are about to be overwritten
+                    del self._by_hash[self._cached.pop(block_id)[0]]
+                    self._evictions += 1
             return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -89,6 +121,45 @@ class BlockPool:
 
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
+
+    def register(self, block_id: int, block_hash: bytes, tokens: Sequence[int]) -> None:
+        """Make a held, full block findable by `block_hash` (first registration of a key wins)."""
+        with self._lock:
+            self._check_held(block_id)
+            if block_hash not in self._by_hash and block_id not in self._cached:
+                self._by_hash[block_hash] = block_id
+                self._cached[block_id] = (block_hash, tuple(tokens))
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block's contents are findable by prefix (so they must not be overwritten in place)."""
+        return block_id in self._cached
+
+    def match_prefix(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
+        """Take a hold on the cached blocks that spell the longest prefix of `tokens` (at most `max_blocks`).
+
+        Blocks nobody held come back from the free list. Each returned block is held once more by the
+        caller, who must `free` it eventually.
+        """
+        size = self.block_size
+        with self._lock:
+            matched, parent = [], b""
+            for start in range(0, min(len(tokens) // size, max_blocks) * size, size):
+                chunk = tuple(tokens[start : start + size])
+                parent = hash_block(parent, chunk)
+                block_id = self._by_hash.get(parent)
+                if block_id is None or self._cached[block_id][1] != chunk:
+                    break
+                matched.append(block_id)
+            for block_id in matched:
+                if self._refcounts[block_id] == 0:
+                    del self._free[block_id]
+                self._refcounts[block_id] += 1
+            self._hits += len(matched)
+            self._misses += min(len(tokens) // size, max_blocks) - len(matched)
+            return matched
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._hits, self._misses, self._evictions, len(self._cached))
 
     def _check_held(self, block_id: int) -> None:
         if block_id == NULL_BLOCK or self._refcounts[block_id] < 1:

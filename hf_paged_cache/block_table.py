@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import NULL_BLOCK, BlockPool, hash_block
 from .errors import PoolExhaustedError
 
 
@@ -17,12 +17,17 @@ class BlockTables:
     tokens are stored (no padding), so rows of a ragged batch hold different counts. A block can appear
     in several rows (or several caches) when shared; its reference count in the `BlockPool` says how many
     tables hold it, and a write into a shared, partly filled last block first copies it (copy-on-write).
+
+    When a row's token ids are known (`token_ids[b]` is a list), each block it fills is registered in the
+    pool's prefix index under a key chained over all the row's tokens so far (`hashes[b]`).
     """
 
     def __init__(self, blocks: BlockPool):
         self.blocks = blocks
         self.tables: list[list[int]] = []
         self.num_tokens: list[int] = []
+        self.token_ids: list[list[int] | None] = []  # the row's stored token ids, None once unknown
+        self.hashes: list[list[bytes]] = []  # prefix key of each full block of the row
 
     @property
     def batch_size(self) -> int:
@@ -31,9 +36,13 @@ class BlockTables:
     def add_rows(self, n: int) -> None:
         self.tables.extend([] for _ in range(n))
         self.num_tokens.extend([0] * n)
+        self.token_ids.extend([] for _ in range(n))
+        self.hashes.extend([] for _ in range(n))
 
-    def append(self, new_tokens: Sequence[int]) -> list[tuple[int, int]]:
+    def append(self, new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
         """Make room for `new_tokens[b]` more tokens in each row; all or nothing.
+
+        `token_ids[b]` are those tokens' ids when known (for prefix caching); None marks them unknown.
 
         Returns the ``(src, dst)`` pairs of shared last blocks that were replaced by private copies: the caller
         must copy their contents, then `finish_copy_on_write(pairs)`. Raises `PoolExhaustedError`, with the
@@ -44,7 +53,7 @@ class BlockTables:
         for row, n in enumerate(new_tokens):
             table, stored = self.tables[row], self.num_tokens[row]
             grow.append(-(-(stored + n) // size) - len(table))  # ceil((stored + n) / size) - held
-            if n > 0 and stored % size and self.blocks.refcount(table[-1]) > 1:
+            if n > 0 and stored % size and self._shared(table[-1]):
                 copy_rows.append(row)
         needed = sum(grow) + len(copy_rows)
         new_ids = self.blocks.allocate(needed)
@@ -58,7 +67,32 @@ class BlockTables:
         for row, n in enumerate(new_tokens):
             self.tables[row].extend(new_ids.pop() for _ in range(grow[row]))
             self.num_tokens[row] += n
+            known = self.token_ids[row]
+            if known is not None and token_ids is not None:
+                known.extend(token_ids[row])
+                self._register_full_blocks(row)
+            else:
+                self.token_ids[row] = None
         return pairs
+
+    def _shared(self, block: int) -> bool:
+        """Whether writing into `block` would change what someone else reads (then copy it first)."""
+        return self.blocks.refcount(block) > 1 or self.blocks.is_cached(block)
+
+    def _register_full_blocks(self, row: int) -> None:
+        size, tokens, hashes = self.blocks.block_size, self.token_ids[row], self.hashes[row]
+        for i in range(len(hashes), self.num_tokens[row] // size):
+            chunk = tokens[i * size : (i + 1) * size]
+            hashes.append(hash_block(hashes[-1] if hashes else b"", chunk))
+            self.blocks.register(self.tables[row][i], hashes[-1], chunk)
+
+    def adopt_prefix(self, row: int, blocks: list[int], token_ids: Sequence[int]) -> None:
+        """Start empty row `row` with already-held, full, cached `blocks` spelling `token_ids`."""
+        self.tables[row] = list(blocks)
+        self.num_tokens[row] = len(token_ids)
+        self.token_ids[row] = list(token_ids)
+        self.hashes[row] = []
+        self._register_full_blocks(row)
 
     def finish_copy_on_write(self, pairs: list[tuple[int, int]]) -> None:
         """Drop this cache's hold on the shared blocks it copied away from."""
@@ -73,20 +107,25 @@ class BlockTables:
             dropped = self.tables[row][keep:]
             del self.tables[row][keep:]
             self.blocks.free(reversed(dropped))
+            del self.hashes[row][self.num_tokens[row] // size :]
+            if self.token_ids[row] is not None:
+                del self.token_ids[row][self.num_tokens[row] :]
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep rows `rows` (repeats allowed, any order): blocks are shared, never copied."""
         tables = [list(self.tables[r]) for r in rows]
         num_tokens = [self.num_tokens[r] for r in rows]
+        token_ids = [None if self.token_ids[r] is None else list(self.token_ids[r]) for r in rows]
+        hashes = [list(self.hashes[r]) for r in rows]
         self.blocks.incref(b for table in tables for b in table)
         self.release()
-        self.tables, self.num_tokens = tables, num_tokens
+        self.tables, self.num_tokens, self.token_ids, self.hashes = tables, num_tokens, token_ids, hashes
 
     def release(self) -> None:
         """Give every block back (tail blocks first) and forget all rows."""
         for table in self.tables:
             self.blocks.free(reversed(table))
-        self.tables, self.num_tokens = [], []
+        self.tables, self.num_tokens, self.token_ids, self.hashes = [], [], [], []
 
     def unique_blocks(self) -> dict[int, int]:
         """Each block held, mapped to the tokens it holds (shared blocks counted once)."""

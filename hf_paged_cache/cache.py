@@ -26,6 +26,9 @@ class CacheStats:
     bytes_reserved: int  # blocks_in_use x bytes per block
     bytes_used: int  # bytes of the block slots that hold a token
     utilization: float  # bytes_used / bytes_reserved (1.0 for an empty cache)
+    prefix_hits: int  # pool-wide: full blocks found by prefix lookups
+    prefix_misses: int  # pool-wide: full blocks looked up and not found
+    prefix_evictions: int  # pool-wide: cached blocks given up to make room
 
 
 @dataclass
@@ -159,6 +162,7 @@ class PagedCache(Cache):
                 f"{len(layer_types)}: is it a pool for another model?"
             )
         self.pool = pool
+        self._source = config_or_model  # what fork() builds its twin from
         layers = [
             PagedLayer(self, idx, kwargs.get("sliding_window"))
             for idx, kwargs in enumerate(layer_kwargs)
@@ -168,6 +172,7 @@ class PagedCache(Cache):
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
         self._step: _Step | None = None
         self._pending_mask: torch.Tensor | None = None  # [B, q] the next forward's new-token padding mask
+        self._pending_ids: torch.Tensor | None = None  # [B, q] the next forward's token ids, if known
         # A cache dropped without `release()` still gives its blocks back when it is garbage collected.
         self._finalizer = weakref.finalize(self, BlockTables.release, self.block_tables)
         self._hook = _attach_padding_hook(model, self) if model is not None else None
@@ -229,21 +234,31 @@ class PagedCache(Cache):
         if rows == 0 and past_length == 0:
             self.block_tables.add_rows(batch_size)
             self.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        elif rows and batch_size != rows and batch_size % rows == 0:
+            # generate() expands input_ids (num_return_sequences, num_beams) but not a cache passed to it:
+            # k x B rows fed to a cache of B rows means each row repeated k times, sharing its blocks.
+            self.batch_repeat_interleave(batch_size // rows)
         elif batch_size != rows:
             raise ValueError(
                 f"this cache holds {rows} sequences but the forward has batch size {batch_size}; call "
                 "batch_select_indices() or batch_repeat_interleave() to change the batch, or reset() it"
             )
-        new_real = self._take_pending_mask(batch_size, query_length)  # [B, q] bool, or None for all real
+        new_real, new_ids = self._take_pending_inputs(batch_size, query_length)  # [B, q] each, or None
         new_tokens = new_real.sum(dim=1).tolist() if new_real is not None else [query_length] * batch_size
-        pairs = self.block_tables.append(new_tokens)  # raises PoolExhaustedError with nothing changed
+        token_ids = None
+        if new_ids is not None:
+            rows_ids = new_ids.tolist()
+            token_ids = rows_ids if new_real is None else [
+                [t for t, real in zip(ids, mask) if real] for ids, mask in zip(rows_ids, new_real.tolist())
+            ]
+        pairs = self.block_tables.append(new_tokens, token_ids)  # raises PoolExhaustedError, changing nothing
         self.pool.copy_blocks(pairs)
         self.block_tables.finish_copy_on_write(pairs)
 
         all_real = new_real is None
         if all_real:
             new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
-        self.is_real = torch.cat([self.is_real, new_real.to(self.is_real.device)], dim=1)  # [B, L + q]
+        self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
         self._step = _Step(batch_size, query_length, past_length, all_real)
         return self._step
 
@@ -262,24 +277,32 @@ class PagedCache(Cache):
             index = step.index[device] = _StepIndex(write_slots, write_rows, read_slots)
         return index
 
-    def _take_pending_mask(self, batch_size: int, query_length: int) -> torch.Tensor | None:
+    def _take_pending_inputs(
+        self, batch_size: int, query_length: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         mask, self._pending_mask = self._pending_mask, None
-        if mask is None or mask.shape != (batch_size, query_length) or bool(mask.all()):
-            return None
-        return mask
+        ids, self._pending_ids = self._pending_ids, None
+        if mask is not None and (mask.shape != (batch_size, query_length) or bool(mask.all())):
+            mask = None
+        if ids is not None and ids.shape != (batch_size, query_length):
+            ids = None
+        return mask, ids
 
-    def observe_attention_mask(self, attention_mask: torch.Tensor | None, query_length: int) -> None:
-        """Tell the cache which of the next forward's `query_length` tokens are padding.
+    def observe_inputs(
+        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query_length: int
+    ) -> None:
+        """Tell the cache the next forward's token ids and which of its `query_length` tokens are padding.
 
         Called by the forward pre-hook installed when the cache is built from a model; call it yourself
-        before each forward if you built the cache from a config and want padding to take no blocks.
-        `attention_mask` is the usual 2D ``[B, past + q]`` mask; anything else is ignored (padding is
-        then stored, which changes memory, never results).
+        before each forward if you built the cache from a config. `attention_mask` is the usual 2D
+        ``[B, past + q]`` mask; anything else means "no padding" (padding is then stored, which changes
+        memory, never results). Token ids let full blocks be found again by prefix (`reuse_prefix`).
         """
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and attention_mask.shape[1] >= query_length:
-            self._pending_mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
-        else:
-            self._pending_mask = None
+        self._pending_mask = None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+            if attention_mask.shape[1] >= query_length:
+                self._pending_mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
+        self._pending_ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
 
     # ------------------------------------------------------------------ the Cache contract
 
@@ -338,7 +361,7 @@ class PagedCache(Cache):
         self.block_tables.release()
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)
         self._step = None
-        self._pending_mask = None
+        self._pending_mask = self._pending_ids = None
         for layer in self.layers:
             layer.reset()
 
@@ -348,6 +371,52 @@ class PagedCache(Cache):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def fork(self) -> PagedCache:
+        """A new cache on the same pool holding the same sequences, sharing every block (copy-on-write).
+
+        Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
+        fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
+        """
+        twin = PagedCache(self._source, pool=self.pool)
+        tables = twin.block_tables
+        tables.tables = [list(t) for t in self.block_tables.tables]
+        tables.num_tokens = list(self.block_tables.num_tokens)
+        tables.token_ids = [None if t is None else list(t) for t in self.block_tables.token_ids]
+        tables.hashes = [list(h) for h in self.block_tables.hashes]
+        self.pool.blocks.incref(b for t in tables.tables for b in t)
+        twin.is_real = self.is_real.clone()
+        for mine, theirs in zip(twin.layers, self.layers):
+            mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
+        return twin
+
+    def reuse_prefix(self, input_ids: torch.Tensor) -> int:
+        """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
+
+        Full blocks that earlier caches on this pool wrote (and registered by their token ids) are shared,
+        not recomputed; `generate(input_ids, cache=cache)` then computes only the remaining tokens.
+        Rows must not be padded. Returns the number of positions reused (a multiple of `block_size`, the
+        same for every row, always leaving at least one token to compute).
+
+        Args:
+            input_ids: ``[B, S]`` token ids.
+        """
+        if self.block_tables.batch_size or self.get_seq_length():
+            raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
+        rows = input_ids.tolist()
+        size = self.pool.block_size
+        max_blocks = (len(rows[0]) - 1) // size
+        matches = [self.pool.blocks.match_prefix(tokens, max_blocks) for tokens in rows]
+        keep = min(len(m) for m in matches)
+        self.pool.blocks.free(b for m in matches for b in reversed(m[keep:]))
+        length = keep * size
+        self.block_tables.add_rows(len(rows))
+        for row, (tokens, blocks) in enumerate(zip(rows, matches)):
+            self.block_tables.adopt_prefix(row, blocks[:keep], tokens[:length])
+        self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=input_ids.device)
+        for layer in self.layers:
+            layer.length = length
+        return length
 
     def __enter__(self) -> PagedCache:
         return self
@@ -367,12 +436,16 @@ class PagedCache(Cache):
         per_block = self.pool.bytes_per_block
         reserved = len(filled) * per_block
         used = sum(filled.values()) * per_block // self.pool.block_size
+        prefix = self.pool.blocks.prefix_stats()
         return CacheStats(
             blocks_in_use=len(filled),
             tokens_stored=sum(self.block_tables.num_tokens),
             bytes_reserved=reserved,
             bytes_used=used,
             utilization=used / reserved if reserved else 1.0,
+            prefix_hits=prefix.hits,
+            prefix_misses=prefix.misses,
+            prefix_evictions=prefix.evictions,
         )
 
     def __repr__(self) -> str:
@@ -411,8 +484,8 @@ def _attach_padding_hook(model: PreTrainedModel, cache: PagedCache) -> torch.uti
         if inputs is None:
             inputs = bound.get("inputs_embeds")
         if inputs is None:
-            target.observe_attention_mask(None, 0)
+            target.observe_inputs(None, None, 0)
             return
-        target.observe_attention_mask(bound.get("attention_mask"), inputs.shape[1])
+        target.observe_inputs(bound.get("input_ids"), bound.get("attention_mask"), inputs.shape[1])
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
