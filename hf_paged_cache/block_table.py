@@ -59,13 +59,14 @@ class BlockTables:
         new_ids = self.blocks.allocate(needed)
         if new_ids is None:
             raise PoolExhaustedError(needed, self.blocks.num_free, self.blocks.capacity, size)
+        fresh = iter(new_ids)
         pairs = []
         for row in copy_rows:
-            dst = new_ids.pop()
+            dst = next(fresh)
             pairs.append((self.tables[row][-1], dst))
             self.tables[row][-1] = dst
         for row, n in enumerate(new_tokens):
-            self.tables[row].extend(new_ids.pop() for _ in range(grow[row]))
+            self.tables[row].extend(next(fresh) for _ in range(grow[row]))
             self.num_tokens[row] += n
             known = self.token_ids[row]
             if known is not None and token_ids is not None:

@@ -60,3 +60,15 @@ def ragged_batch(pads: list[int], length: int, seed: int = 0) -> dict[str, torch
         input_ids[row, :pad] = PAD
         attention_mask[row, :pad] = 0
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer over the tiny vocabulary: token i is the character ``chr(32 + i)``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(32 + i): i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=" ", bos_token="!", unk_token="?")
