@@ -480,6 +480,10 @@ def _attach_padding_hook(model: PreTrainedModel, cache: PagedCache) -> torch.uti
         bound = dict(zip(names, args)) | kwargs
         if (bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")) is not target:
             return
+        if bound.get("use_cache") is False:
+            # the model would still write into the cache while the caller re-feeds the whole sequence
+            # (generate(use_cache=False) does), silently stacking duplicate positions
+            raise ValueError("a PagedCache was passed with use_cache=False; pass use_cache=True or no cache")
         inputs = bound.get("input_ids")
         if inputs is None:
             inputs = bound.get("inputs_embeds")

@@ -172,3 +172,14 @@ def test_other_batch_changes_stay_errors(model):
             model(**ragged_batch([0, 3], 10), cache=cache, use_cache=True)
             with pytest.raises(ValueError, match="holds 2 sequences but the forward has batch size 3"):
                 model(**ragged_batch([0, 0, 0], 1), cache=cache, use_cache=True)
+
+
+def test_use_cache_false_with_a_cache_is_an_error(model):
+    with PagedCache(model) as cache:
+        with pytest.raises(ValueError, match="use_cache=False"):
+            model.generate(**ragged_batch(PADS, 20), max_new_tokens=3, use_cache=False, cache=cache)
+
+
+def test_chunked_prefill_in_generate(model):
+    reference, paged = run_both(model, max_new_tokens=12, do_sample=False, prefill_chunk_size=8)
+    assert_same(reference, paged)

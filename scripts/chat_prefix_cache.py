@@ -1,0 +1,137 @@
+"""A multi-turn chat where each turn reuses the previous turns' KV blocks through the prefix cache.
+
+Every turn's prompt is the whole conversation so far, chat-templated. With the prefix cache, a fresh
+`PagedCache` on the shared pool first takes the longest cached prefix of that prompt
+(`cache.reuse_prefix`), so `generate` computes only the tokens after it; without, the whole prompt is
+prefilled again. Both paths must produce the same tokens; the script prints, per turn, the tokens reused
+and computed and the time to first token (TTFT) of each path.
+
+    python scripts/chat_prefix_cache.py                 # SmolLM2-135M-Instruct, offline if needed
+    python scripts/chat_prefix_cache.py --turns 4 --max-new-tokens 48 --json results/chat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from hf_paged_cache import KVPool, PagedCache
+from hf_paged_cache.default_model import load_model_and_tokenizer
+
+SYSTEM = (
+    "You are a patient assistant for a small bakery. You know its opening hours (8am to 6pm, closed on "
+    "Mondays), its bread (sourdough, rye, baguette, brioche) and its pastries (croissants, eclairs, "
+    "cinnamon rolls). Answer in two or three sentences."
+)
+USER_TURNS = [
+    "Hello! What bread do you bake?",
+    "Which one would you pick for sandwiches, and why?",
+    "Are you open on Monday morning?",
+    "What pastry goes well with coffee?",
+    "Thanks. Can you summarise our conversation in one sentence?",
+]
+
+
+class FirstTokenTimer(BaseStreamer):
+    """Records when `generate` emits its first new token (its first `put` is the prompt itself)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def ttft(self) -> float:
+        return (self.first_token_at or time.perf_counter()) - self.start
+
+
+def run_turn(model, input_ids: torch.Tensor, pool: KVPool, *, reuse: bool, max_new_tokens: int) -> dict:
+    """Generate one turn on a fresh cache over `pool`; return tokens, reuse count and TTFT."""
+    with PagedCache(model, pool=pool) as cache:
+        reused = cache.reuse_prefix(input_ids) if reuse else 0
+        timer = FirstTokenTimer()
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            streamer=timer,
+        )
+    return {"new_tokens": output[0, input_ids.shape[1] :], "reused": reused, "ttft_s": timer.ttft}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--turns", type=int, default=len(USER_TURNS))
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--json", type=Path, default=None, help="write the per-turn results here")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
+    cached_pool = KVPool.for_config(model.config, num_blocks=args.num_blocks, dtype=model.dtype)
+    plain_pool = KVPool.for_config(model.config, num_blocks=args.num_blocks, dtype=model.dtype)
+    messages = [{"role": "system", "content": SYSTEM}]
+    # warm-up, so that the first turn's timing is not the first forward's
+    warm = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    run_turn(model, warm["input_ids"].to(args.device), plain_pool, reuse=False, max_new_tokens=2)
+
+    turns = []
+    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>9} {'TTFT cached':>12} {'TTFT full':>10} {'speed-up':>9}")
+    for turn, user in enumerate(USER_TURNS[: args.turns], start=1):
+        messages.append({"role": "user", "content": user})
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"].to(args.device)
+        cached = run_turn(model, prompt, cached_pool, reuse=True, max_new_tokens=args.max_new_tokens)
+        full = run_turn(model, prompt, plain_pool, reuse=False, max_new_tokens=args.max_new_tokens)
+        if not torch.equal(cached["new_tokens"], full["new_tokens"]):
+            raise RuntimeError(f"turn {turn}: the prefix-cached answer differs from the fully computed one")
+        answer = tokenizer.decode(cached["new_tokens"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        row = {
+            "turn": turn,
+            "prompt_tokens": prompt.shape[1],
+            "reused_tokens": cached["reused"],
+            "computed_tokens": prompt.shape[1] - cached["reused"],
+            "ttft_cached_s": cached["ttft_s"],
+            "ttft_full_s": full["ttft_s"],
+            "answer": answer,
+        }
+        turns.append(row)
+        print(
+            f"{turn:>4} {row['prompt_tokens']:>7} {row['reused_tokens']:>7} {row['computed_tokens']:>9} "
+            f"{row['ttft_cached_s'] * 1e3:>10.1f}ms {row['ttft_full_s'] * 1e3:>8.1f}ms "
+            f"{row['ttft_full_s'] / row['ttft_cached_s']:>8.2f}x"
+        )
+    stats = cached_pool.blocks.prefix_stats()
+    results = {
+        "turns": turns,
+        "prefix_cache": {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions},
+    }
+    print(f"prefix cache: {stats.hits} block hits, {stats.misses} misses, {stats.evictions} evictions")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
