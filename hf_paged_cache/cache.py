@@ -390,6 +390,10 @@ class PagedCache(Cache):
             mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
         return twin
 
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""
+        return self.fork()
+
     def reuse_prefix(self, input_ids: torch.Tensor) -> int:
         """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
 

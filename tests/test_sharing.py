@@ -85,6 +85,17 @@ def test_fork_shares_a_prefilled_system_prompt():
         assert_same(generate(copy.deepcopy(reference_cache), question, max_new_tokens=8), generate(base, question, max_new_tokens=8))
 
 
+def test_deepcopy_is_a_fork():
+    with PagedCache(MODEL, num_blocks=64) as base:
+        with torch.no_grad():
+            MODEL(input_ids=ragged_batch([0], 20)["input_ids"], cache=base, use_cache=True)
+        twin = copy.deepcopy(base)
+        assert twin.pool is base.pool  # the pool is shared, not copied
+        assert twin.block_tables.tables == base.block_tables.tables
+        assert_refcounts_match_tables(base.pool, base, twin)
+        twin.release()
+
+
 def test_prefix_cache_reuses_the_previous_turn():
     pool = KVPool.for_config(MODEL.config, num_blocks=64)
     turn1 = ragged_batch([0], 37)["input_ids"]
