@@ -394,7 +394,7 @@ class PagedCache(Cache):
         """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""
         return self.fork()
 
-    def reuse_prefix(self, input_ids: torch.Tensor) -> int:
+    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
 
         Full blocks that earlier caches on this pool wrote (and registered by their token ids) are shared,
@@ -404,9 +404,12 @@ class PagedCache(Cache):
 
         Args:
             input_ids: ``[B, S]`` token ids.
+            attention_mask: ``[B, S]``, optional; if given it must be all ones (no padding).
         """
         if self.block_tables.batch_size or self.get_seq_length():
             raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
         rows = input_ids.tolist()
         size = self.pool.block_size
         max_blocks = (len(rows[0]) - 1) // size

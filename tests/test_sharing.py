@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -138,6 +139,13 @@ def test_prefix_cache_evicts_least_recently_used_when_the_pool_needs_room():
     assert stats.prefix_evictions == 1  # block 3 (first's third block) gave up its contents
     with PagedCache(MODEL, pool=pool) as cache:
         assert cache.reuse_prefix(first) == 32  # blocks 1 and 2 survived: prefix blocks are evicted last
+
+
+def test_reuse_prefix_refuses_padded_rows():
+    batch = ragged_batch([0, 3], 40)
+    with PagedCache(MODEL, num_blocks=16) as cache:
+        with pytest.raises(ValueError, match="unpadded rows"):
+            cache.reuse_prefix(batch["input_ids"], batch["attention_mask"])
 
 
 def test_a_hash_hit_is_confirmed_by_comparing_tokens():
