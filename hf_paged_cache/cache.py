@@ -25,6 +25,7 @@ class CacheStats:
     tokens_stored: int  # real tokens over all rows (a shared prefix counts once per row)
     bytes_reserved: int  # blocks_in_use x bytes per block
     bytes_used: int  # bytes of the block slots that hold a token
+    pool_bytes: int  # K/V tensors allocated for the whole (shared) pool so far
     utilization: float  # bytes_used / bytes_reserved (1.0 for an empty cache)
     prefix_hits: int  # pool-wide: full blocks found by prefix lookups
     prefix_misses: int  # pool-wide: full blocks looked up and not found
@@ -449,6 +450,7 @@ class PagedCache(Cache):
             tokens_stored=sum(self.block_tables.num_tokens),
             bytes_reserved=reserved,
             bytes_used=used,
+            pool_bytes=self.pool.storage_bytes(),
             utilization=used / reserved if reserved else 1.0,
             prefix_hits=prefix.hits,
             prefix_misses=prefix.misses,

@@ -19,8 +19,8 @@ class KVPool:
     ``[num_blocks * block_size, heads, dim]`` view and a gather by slot id (``block * block_size + offset``)
     yields ``[tokens, heads, dim]`` directly, with no per-head strides to undo.
 
-    A layer's tensors are created on the device and dtype of the first key states it stores, so a model
-    spread over several devices keeps each layer's cache beside that layer. Several `PagedCache` objects can
+    A layer's tensors are created, in the pool's dtype, on the device of the first key states it stores, so
+    a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache` objects can
     share one pool; they share its blocks through reference counts in `blocks`.
     """
 
@@ -89,8 +89,10 @@ class KVPool:
             )
         if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
             raise ValueError(
-                f"layer {layer_idx} produced {key_states.dtype} key/value states but the pool stores {self.dtype}; "
-                "build the cache from the model (or pass a pool of the model's dtype)"
+                f"layer {layer_idx} produced {key_states.dtype} keys and {value_states.dtype} values but the pool "
+                f"stores {self.dtype}; build the cache from the model (or pass a pool of the model's dtype). "
+                "torch.autocast is not supported (it makes keys and values of different dtypes): cast the model "
+                "to one dtype instead"
             )
         keys = self.keys[layer_idx]
         if keys is None:

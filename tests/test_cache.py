@@ -164,9 +164,15 @@ def test_cache_for_another_model_is_an_error(llama):
 
 def test_dtype_mismatch_is_an_error(llama):
     pool = KVPool.for_config(llama.config, num_blocks=8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"float32 key/value states but the pool stores torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"float32 keys and torch.float32 values but the pool stores torch.bfloat16"):
         prefill(llama, PagedCache(llama, pool=pool))
     assert pool.blocks.num_used == 0
+
+
+def test_autocast_is_refused_with_a_clear_error(llama):
+    with PagedCache(llama, num_blocks=8) as cache, torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="autocast is not supported"):
+            prefill(llama, cache)
 
 
 def test_not_a_model_or_config():
