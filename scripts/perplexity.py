@@ -1,0 +1,142 @@
+"""Strided perplexity of a causal LM over a corpus, scored through PagedCache, DynamicCache or no cache.
+
+The method is the transformers guide's "Perplexity of fixed-length models" (windows of --max-length
+tokens every --stride tokens, context tokens labelled -100), with the NLL averaged over all counted tokens
+(token-weighted sum, not the mean of per-window means); see hf_paged_cache/perplexity.py.
+
+Examples:
+    python scripts/perplexity.py --max-tokens 4096 --compare --json results/ppl.json
+    python scripts/perplexity.py --corpus tests/data/perplexity_corpus.txt --cache dynamic
+    python scripts/perplexity.py --corpus wikitext:wikitext-2-raw-v1        # Hub dataset, when online
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import transformers
+
+import hf_paged_cache
+from hf_paged_cache.corpora import load_corpus_text
+from hf_paged_cache.default_model import load_model_and_tokenizer
+from hf_paged_cache.perplexity import CACHE_MODES, CacheMode, encode_corpus, score_windows, strided_windows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="Hub id or local path; None means SmolLM2-135M-Instruct")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-length", type=int, default=512, help="window length in tokens")
+    parser.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    parser.add_argument("--batch-size", type=int, default=2, help="windows per left-padded batch")
+    parser.add_argument(
+        "--cache", default="paged", choices=CACHE_MODES, help="how windows are fed (ignored with --compare)"
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=128, help="tokens per cached forward (chunked prefill); 0 = whole window"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block")
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="text file, folder of *.txt, Hub dataset name[:config], or 'offline' "
+        "(default: WikiText-2 raw test when the Hub is reachable, else the offline Wikipedia excerpt)",
+    )
+    parser.add_argument("--split", default="test", help="split of a Hub dataset corpus")
+    parser.add_argument("--max-tokens", type=int, default=None, help="use only the first N corpus tokens")
+    parser.add_argument("--compare", action="store_true", help="run 'paged' and 'none' and report the difference")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def format_table(runs: dict[str, dict[str, Any]]) -> str:
+    """A small fixed-width table of the runs."""
+    header = (
+        f"{'cache':<8} {'perplexity':>12} {'nll':>9} {'tokens':>8} {'windows':>8} {'seconds':>8} {'CPU s':>8} "
+        f"{'peak KV MiB':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, run in runs.items():
+        peak = run["peak_cache_bytes"]
+        peak_text = f"{peak / 2**20:.2f}" if peak is not None else "-"
+        lines.append(
+            f"{name:<8} {run['perplexity']:>12.4f} {run['nll']:>9.5f} {run['tokens']:>8d} {run['windows']:>8d} "
+            f"{run['seconds']:>8.1f} {run['cpu_seconds']:>8.1f} {peak_text:>12}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the evaluation described by `argv` (default: ``sys.argv``); print a table and return the results."""
+    args = build_parser().parse_args(argv)
+    chunk_size = args.chunk_size or None
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
+    corpus = load_corpus_text(args.corpus, split=args.split)
+    ids = encode_corpus(tokenizer, corpus.text, args.max_tokens)  # [N]
+    windows = strided_windows(ids, args.max_length, args.stride)
+    modes: list[CacheMode] = ["paged", "none"] if args.compare else [cast(CacheMode, args.cache)]
+
+    runs: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        result = score_windows(
+            model,
+            windows,
+            cache=mode,
+            batch_size=args.batch_size,
+            chunk_size=chunk_size,
+            block_size=args.block_size,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            progress=not args.no_progress,
+        )
+        runs[mode] = result.to_dict()
+
+    results: dict[str, Any] = {
+        "model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "model_path": getattr(model, "name_or_path", None),
+        "corpus": {"name": corpus.name, "source": corpus.source, "tokens": int(ids.numel())},
+        "settings": {
+            "max_length": args.max_length,
+            "stride": args.stride,
+            "batch_size": args.batch_size,
+            "chunk_size": chunk_size,
+            "block_size": args.block_size,
+            "dtype": args.dtype,
+            "device": args.device,
+            "max_tokens": args.max_tokens,
+            "averaging": "token-weighted: sum of NLL over counted tokens / counted tokens",
+        },
+        "versions": {
+            "hf_paged_cache": hf_paged_cache.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "runs": runs,
+    }
+    print(f"corpus: {corpus.name} ({ids.numel()} tokens), windows: {len(windows)}, "
+          f"max_length {args.max_length}, stride {args.stride}")
+    print(format_table(runs))
+    if "paged" in runs and "none" in runs:
+        reference = runs["none"]["perplexity"]
+        rel = abs(runs["paged"]["perplexity"] - reference) / reference
+        results["relative_difference"] = rel
+        print(f"relative difference paged vs none: {rel:.3e}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The lm-evaluation-harness model type "hf-paged" gives the same results as the harness's own "hf"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+from tiny_models import tiny_model
+
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm-eval is not installed (optional extra: pip install 'lm-eval>=0.4,<0.5')"
+)
+from lm_eval.tasks import TaskManager
+
+import hf_paged_cache.lm_eval_model as adapter
+from hf_paged_cache import PagedCache
+from hf_paged_cache.lm_eval_model import PagedHFLM
+
+DATA = Path(__file__).resolve().parent / "data"
+TASK_DIR = DATA / "lm_eval_task"
+TASKS = ("paged_tiny_mc", "paged_tiny_gen")
+
+
+
+def task_configs() -> list[dict]:
+    """The shipped task YAMLs, with their data file made absolute (datasets resolves it against the cwd)."""
+    configs = []
+    for name in TASKS:
+        config = yaml.safe_load((TASK_DIR / f"{name}.yaml").read_text(encoding="utf-8"))
+        config["dataset_kwargs"]["data_files"]["test"] = str(TASK_DIR / "paged_tiny.jsonl")
+        configs.append(config)
+    return configs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    AutoTokenizer.from_pretrained(DATA / "char_tokenizer").save_pretrained(path)
+    return path
+
+
+def evaluate(model: str, model_dir: Path, extra_args: str = "") -> dict:
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=f"pretrained={model_dir},dtype=float32,device=cpu{extra_args}",
+        tasks=task_configs(),
+        batch_size=3,
+        log_samples=True,
+        bootstrap_iters=0,
+        task_manager=TaskManager(include_defaults=False),  # skip indexing the harness's built-in tasks
+    )
+
+
+def test_hf_paged_matches_hf(model_dir, monkeypatch):
+    assert lm_eval.api.registry.get_model("hf-paged") is PagedHFLM
+    plain = evaluate("hf", model_dir)
+
+    # Count the forwards of each kind and the PagedCache objects built for them: one per call.
+    calls = {"_model_call": 0, "_model_generate": 0}
+    caches: list[PagedCache] = []
+
+    class CountingCache(PagedCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    def counted(name):
+        original = getattr(PagedHFLM, name)
+
+        def wrapper(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(adapter, "PagedCache", CountingCache)
+    for name in calls:
+        monkeypatch.setattr(PagedHFLM, name, counted(name))
+    paged = evaluate("hf-paged", model_dir, ",block_size=8,prefill_chunk_size=7")  # chunked prefill
+    assert calls["_model_call"] > 0 and calls["_model_generate"] > 0
+    assert len(caches) == sum(calls.values())
+    for task in TASKS:
+        assert paged["results"][task]["sample_len"] == plain["results"][task]["sample_len"] == 8
+    assert paged["results"]["paged_tiny_mc"]["acc,none"] == plain["results"]["paged_tiny_mc"]["acc,none"]
+    assert (
+        paged["results"]["paged_tiny_gen"]["exact_match,none"]
+        == plain["results"]["paged_tiny_gen"]["exact_match,none"]
+    )
+
+    # Per-sample: loglikelihoods of every choice agree to float rounding, greedy answers are identical.
+    mc_plain = sorted(plain["samples"]["paged_tiny_mc"], key=lambda s: s["doc_id"])
+    mc_paged = sorted(paged["samples"]["paged_tiny_mc"], key=lambda s: s["doc_id"])
+    for ours, theirs in zip(mc_paged, mc_plain, strict=True):
+        for (ll_ours, greedy_ours), (ll_theirs, greedy_theirs) in zip(
+            (r[0] for r in ours["resps"]), (r[0] for r in theirs["resps"]), strict=True
+        ):
+            assert ll_ours == pytest.approx(ll_theirs, abs=1e-4)
+            assert greedy_ours == greedy_theirs
+    gen_plain = sorted(plain["samples"]["paged_tiny_gen"], key=lambda s: s["doc_id"])
+    gen_paged = sorted(paged["samples"]["paged_tiny_gen"], key=lambda s: s["doc_id"])
+    assert [s["resps"] for s in gen_paged] == [s["resps"] for s in gen_plain]
+    assert all(s["resps"][0][0] for s in gen_paged)  # something was generated
