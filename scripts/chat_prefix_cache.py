@@ -4,7 +4,8 @@ Every turn's prompt is the whole conversation so far, chat-templated. With the p
 `PagedCache` on the shared pool first takes the longest cached prefix of that prompt
 (`cache.reuse_prefix`), so `generate` computes only the tokens after it; without, the whole prompt is
 prefilled again. Both paths must produce the same tokens; the script prints, per turn, the tokens reused
-and computed and the time to first token (TTFT) of each path.
+and computed and the time to first token (TTFT) of each path (one run each per turn, alternating which
+goes first; turn 1, where both paths compute everything, shows the timing noise).
 
     python scripts/chat_prefix_cache.py                 # SmolLM2-135M-Instruct, offline if needed
     python scripts/chat_prefix_cache.py --turns 4 --max-new-tokens 48 --json results/chat.json
@@ -94,14 +95,20 @@ def main(argv: list[str] | None = None) -> dict:
     run_turn(model, warm["input_ids"].to(args.device), plain_pool, reuse=False, max_new_tokens=2)
 
     turns = []
-    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>9} {'TTFT cached':>12} {'TTFT full':>10} {'speed-up':>9}")
+    header = ("turn", "prompt", "reused", "computed", "TTFT cached", "TTFT full", "speed-up")
+    print("{:>4} {:>7} {:>7} {:>9} {:>12} {:>10} {:>9}".format(*header))
     for turn, user in enumerate(USER_TURNS[: args.turns], start=1):
         messages.append({"role": "user", "content": user})
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"].to(args.device)
-        cached = run_turn(model, prompt, cached_pool, reuse=True, max_new_tokens=args.max_new_tokens)
-        full = run_turn(model, prompt, plain_pool, reuse=False, max_new_tokens=args.max_new_tokens)
+        # alternate which path runs first, so neither always gets the warmer machine
+        order = [(True, cached_pool), (False, plain_pool)][:: 1 if turn % 2 else -1]
+        runs = {
+            reuse: run_turn(model, prompt, pool, reuse=reuse, max_new_tokens=args.max_new_tokens)
+            for reuse, pool in order
+        }
+        cached, full = runs[True], runs[False]
         if not torch.equal(cached["new_tokens"], full["new_tokens"]):
             raise RuntimeError(f"turn {turn}: the prefix-cached answer differs from the fully computed one")
         answer = tokenizer.decode(cached["new_tokens"], skip_special_tokens=True)
