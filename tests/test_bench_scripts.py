@@ -1,0 +1,308 @@
+"""Smoke tests of the benchmark scripts on a tiny random-weight Llama, plus one real-model parity check.
+
+Each script's ``main([...])`` runs once (module-scoped fixtures) on a tiny model saved with a tiny
+WordLevel tokenizer; the tests check the JSON fields and the accounting identities, never a timing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache
+
+from hf_paged_cache import PagedCache
+from hf_paged_cache.bench_utils import (
+    cache_tensor_bytes,
+    kv_bytes_per_token,
+    left_pad,
+    paged_blocks,
+    sharegpt_workload,
+    static_cache_reserved_bytes,
+    stored_tokens,
+)
+from tiny_models import VOCAB, tiny_model
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """Run this module single-threaded (restored afterwards): on a small shared CPU, two intra-op threads
+    competing with other processes make generate several times slower, never faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama (2 layers, 2 KV heads of 16, context 256) and a 96-word tokenizer, saved to disk."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tiny_model("llama").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("results")
+
+
+def run_script(name: str, args: list[str], out: Path) -> dict[str, Any]:
+    payload = load_script(name).main([*args, "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["benchmark"] == payload["benchmark"]
+    for key in ("cpu", "cpu_count", "torch", "transformers", "device_name", "date"):
+        assert key in on_disk["machine"], key
+    return payload
+
+
+@pytest.fixture(scope="module")
+def memory_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
+    args = ["--model", tiny_dir, "--num-requests", "5", "--new-tokens", "6", "--max-prompt", "200",
+            "--budget", "512KiB", "--candidates", "64"]
+    return run_script("bench_memory", args, results_dir / "bench_memory.json")
+
+
+@pytest.fixture(scope="module")
+def decode_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
+    args = ["--model", tiny_dir, "--batch-sizes", "1,3", "--max-prompt", "40", "--new-tokens", "5",
+            "--repeats", "1", "--warmup-tokens", "2", "--beam-batch-size", "2", "--sample-batch-size", "2",
+            "--num-return-sequences", "3"]
+    return run_script("bench_decode", args, results_dir / "bench_decode.json")
+
+
+@pytest.fixture(scope="module")
+def beam_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
+    args = ["--model", tiny_dir, "--prompt-len", "40", "--new-tokens", "12", "--repeats", "1"]
+    return run_script("bench_beam", args, results_dir / "bench_beam.json")
+
+
+@pytest.fixture(scope="module")
+def cb_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
+    args = ["--model", tiny_dir, "--num-requests", "4", "--max-prompt", "40", "--new-tokens", "8",
+            "--outputs", "sharegpt", "--output-scale", "0.02", "--budget", "1MiB", "--cb-page-size", "16",
+            "--cb-max-batch-tokens", "256", "--repeats", "1"]
+    return run_script("bench_cb", args, results_dir / "bench_cb.json")
+
+
+# ------------------------------------------------------------------------------------------ bench_utils
+
+
+def test_workload_is_seeded_capped_and_prefix_stable() -> None:
+    long = sharegpt_workload(50, seed=3, max_prompt=200, max_output=100, token_range=(3, 96))
+    short = sharegpt_workload(10, seed=3, max_prompt=200, max_output=100, token_range=(3, 96))
+    assert long.head(10) == short
+    assert long != sharegpt_workload(50, seed=4, max_prompt=200, max_output=100, token_range=(3, 96))
+    assert all(1 <= p <= 200 for p in long.prompt_lens) and all(1 <= o <= 100 for o in long.output_lens)
+    assert all(3 <= t < 96 for r in long.requests for t in r.prompt_ids)
+    assert len(set(long.prompt_lens)) > 10  # ragged
+    summary = long.summary()
+    assert summary["distribution"]["input"]["mean"] == pytest.approx(161.31)
+    assert summary["distribution"]["output"]["mean"] == pytest.approx(337.99)
+
+
+def test_dense_byte_formulas_match_real_caches() -> None:
+    model = tiny_model("llama")
+    per_token = kv_bytes_per_token(model.config, torch.float32)
+    assert per_token == 2 * 2 * 2 * 16 * 4  # 2 x layers x kv_heads x head_dim x float32 bytes
+    prompts = [[5] * 7, [6] * 3, [7] * 10]
+    batch = left_pad(prompts, 0, "cpu")
+    assert batch["attention_mask"].sum(dim=1).tolist() == [7, 3, 10]
+    caches = {
+        "dynamic": DynamicCache(config=model.config),
+        "static": StaticCache(config=model.config, max_cache_len=32),
+    }
+    for cache in caches.values():
+        model.generate(**batch, cache=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert cache_tensor_bytes(caches["dynamic"]) == 3 * (10 + 4 - 1) * per_token
+    assert cache_tensor_bytes(caches["static"]) == static_cache_reserved_bytes(model.config, 32, 3, torch.float32)
+    with PagedCache(model) as paged:
+        model.generate(**batch, cache=paged, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        real = stored_tokens([7, 3, 10], 4)
+        assert paged.stats().tokens_stored == sum(real)
+        assert paged.stats().blocks_in_use == paged_blocks(real, 16) == 3
+
+
+# --------------------------------------------------------------------------------------- bench_memory
+
+
+def test_bench_memory_accounting(memory_result: dict[str, Any]) -> None:
+    res = memory_result
+    per_token, rows, new = res["bytes_per_token"], res["workload"]["num_requests"], res["new_tokens"]
+    prompts = res["workload"]["prompt_lens"]
+    real = sum(stored_tokens(prompts, new))
+    caches = {c["cache"]: c for c in res["caches"]}
+    assert set(caches) == {"dynamic", "static_context", "static_workload_max", "paged"}
+    for c in caches.values():
+        assert c["used_bytes"] <= c["reserved_bytes"]
+        assert c["utilization"] == pytest.approx(c["used_bytes"] / c["reserved_bytes"])
+        assert c["waste_bytes"] == c["reserved_bytes"] - c["used_bytes"]
+        assert c["tokens_match_dynamic"] is True
+    assert caches["dynamic"]["reserved_bytes"] == rows * (max(prompts) + new - 1) * per_token
+    assert caches["dynamic"]["used_bytes"] == real * per_token
+    for name in ("static_context", "static_workload_max"):
+        assert caches[name]["reserved_bytes"] == caches[name]["reserved_bytes_formula"]
+        assert caches[name]["reserved_bytes"] == rows * caches[name]["max_cache_len"] * per_token
+    assert caches["static_context"]["max_cache_len"] == res["context"] == 256
+    paged = caches["paged"]
+    assert paged["blocks_in_use"] == paged["blocks_predicted"] == paged_blocks(stored_tokens(prompts, new), 16)
+    assert paged["reserved_bytes"] == paged["blocks_in_use"] * res["bytes_per_block"]
+    assert paged["used_bytes"] == real * per_token
+    assert paged["reserved_bytes"] <= caches["static_workload_max"]["reserved_bytes"]
+
+
+def test_bench_memory_admission_fits_budget(memory_result: dict[str, Any]) -> None:
+    b = memory_result["budget"]
+    budget, new, per_token = b["budget_bytes"], b["new_tokens"], memory_result["bytes_per_token"]
+    stream = sharegpt_workload(
+        b["candidates"], seed=0, max_prompt=memory_result["workload"]["max_prompt"], max_output=1, token_range=(3, 96)
+    ).prompt_lens
+    assert stream[: memory_result["workload"]["num_requests"]] == memory_result["workload"]["prompt_lens"]
+    rows = {r["cache"]: r for r in b["rows"]}
+    for r in rows.values():
+        assert r["reserved_bytes"] <= budget and not r["limited_by_stream"]
+    k = rows["static_context"]["admitted"]
+    assert k == budget // (per_token * memory_result["context"])
+
+    def dense(k: int) -> int:
+        return k * (max(stream[:k]) + new) * per_token
+
+    k = rows["static_batch_max"]["admitted"]
+    assert dense(k) <= budget < dense(k + 1)
+    capacity = budget // memory_result["bytes_per_block"] - 1
+    k = rows["paged"]["admitted"]
+    blocks = [-(-t // 16) for t in stored_tokens(stream, new)]
+    assert sum(blocks[:k]) <= capacity < sum(blocks[: k + 1])
+    assert k >= rows["dynamic"]["admitted"] >= 1
+    proof = b["proof"]
+    assert proof["ok"] and proof["requests"] == k
+    assert proof["blocks_in_use"] == proof["blocks_predicted"] == sum(blocks[:k])
+    assert proof["pool_capacity_blocks"] == capacity
+    assert b["paged_vs_static_batch_max"] == pytest.approx(k / rows["static_batch_max"]["admitted"])
+
+
+# --------------------------------------------------------------------------------------- bench_decode
+
+
+def test_bench_decode_fields(decode_result: dict[str, Any]) -> None:
+    scenarios = {s["scenario"]: s for s in decode_result["scenarios"]}
+    assert set(scenarios) == {"greedy_b1", "greedy_b3", "beam4_b2", "sample3_b2"}
+    for s in scenarios.values():
+        assert {r["variant"] for r in s["runs"]} == {"dynamic", "paged", "paged_sdpa"}
+        for run in s["runs"]:
+            assert run["steps"] == s["new_tokens"] == 5
+            assert run["generated_tokens"] == s["returned_rows"] * 5
+            assert run["tokens_per_s"] > 0 and run["decode_tokens_per_s"] > 0
+            assert 0 < run["ttft_seconds"] <= run["seconds"] and run["decode_seconds"] <= run["seconds"]
+            assert run["kv_high_water_bytes"] > 0
+        for variant in ("paged", "paged_sdpa"):
+            summary = s["summary"][variant]
+            assert summary["ratio_tokens_per_s"] > 0 and summary["ratio_decode_tokens_per_s"] > 0
+            if s["mode"] != "sample":
+                assert summary["same_tokens_as_dynamic"] is True
+    assert scenarios["sample3_b2"]["returned_rows"] == 6 and scenarios["beam4_b2"]["rows_in_generate"] == 8
+    assert set(decode_result["targets"]) == {f"{s}/{v}" for s in ("greedy_b1", "greedy_b3", "beam4_b2")
+                                             for v in ("paged", "paged_sdpa")}
+
+
+# ----------------------------------------------------------------------------------------- bench_beam
+
+
+def test_bench_beam_memory(beam_result: dict[str, Any]) -> None:
+    res = beam_result
+    per_token = 2 * 2 * 2 * 16 * 4
+    dynamic, paged = res["summary"]["dynamic"], res["summary"]["paged"]
+    assert dynamic["kv_bytes_end"] == 4 * (40 + 12 - 1) * per_token  # every beam a private copy
+    # Beams share the prompt's blocks: at most the 3 prompt blocks once plus each beam's own tail.
+    assert paged["kv_bytes_end"] <= (3 + 4 * math.ceil(12 / 16 + 1)) * 16 * per_token
+    assert res["kv_bytes_ratio"] == pytest.approx(paged["kv_bytes_end"] / dynamic["kv_bytes_end"])
+    assert res["kv_bytes_ratio"] < 1 and res["same_tokens"] is True
+    assert res["speed_ratio"] > 0 and {"kv_bytes_ratio", "speed_ratio"} <= set(res["targets"])
+
+
+# ------------------------------------------------------------------------------------------- bench_cb
+
+
+def test_bench_cb_fields(cb_result: dict[str, Any]) -> None:
+    s = cb_result["summary"]
+    assert set(s) == {"dynamic", "paged", "cb"}
+    useful = sum(cb_result["outputs"])
+    assert all(1 <= o <= 8 for o in cb_result["outputs"])
+    assert s["cb"]["computed_tokens"] == useful  # CB stops each request at its own length
+    assert s["dynamic"]["computed_tokens"] == 4 * max(cb_result["outputs"]) >= useful  # one padded batch
+    layout = cb_result["cb_cache"]
+    assert layout["page_size"] == 16
+    assert s["cb"]["kv_allocated_bytes"] == (layout["num_sectors"] + 2) * layout["bytes_per_sector"]
+    assert s["cb"]["kv_allocated_bytes"] <= 2**20 + 2 * layout["bytes_per_sector"]
+    assert s["paged"]["kv_high_water_bytes"] <= s["paged"]["kv_allocated_bytes"]
+    assert s["paged"]["requests_with_same_tokens_as_dynamic"] == "4/4"
+
+
+# ----------------------------------------------------------------------------------------- plot_bench
+
+
+def test_plot_bench_writes_pngs(
+    memory_result: dict[str, Any],
+    decode_result: dict[str, Any],
+    beam_result: dict[str, Any],
+    cb_result: dict[str, Any],
+    results_dir: Path,
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
+    names = {Path(p).name for p in written["written"]}
+    assert names == {"bench_memory.png", "bench_concurrency.png", "bench_throughput.png", "bench_beam.png",
+                     "bench_cb.png"}
+    for name in names:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------ the real default model
+
+
+def test_default_model_ragged_chat_batch_paged_matches_dynamic(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_paged_cache.default_model import load_model_and_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub probe: the offline copy, deterministically
+    model, tokenizer = load_model_and_tokenizer()
+    questions = [
+        "What is the capital of France?",
+        "Write one sentence about the sea, the wind and the sky, then name three colours of the sunset.",
+        "2 + 2 =",
+    ]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert len(set(inputs["attention_mask"].sum(dim=1).tolist())) == 3  # ragged
+    kwargs = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    with torch.inference_mode():
+        reference = model.generate(**inputs, cache=DynamicCache(config=model.config), **kwargs)
+        with PagedCache(model) as cache:
+            paged = model.generate(**inputs, cache=cache, **kwargs)
+    assert torch.equal(paged, reference)
