@@ -31,12 +31,15 @@ reported. Memory: ``torch.cuda.max_memory_allocated`` on CUDA; on every device t
 sampled after every step (Dynamic: its tensor bytes; Paged: blocks in use x bytes per block), and for
 Paged the pool's allocated bytes (sized to an upper bound of what the scenario needs).
 
-Command (the CPU run reported in the README; on a GPU drop the size flags to get the defaults)::
+Commands (the CPU runs reported in the README, split so that each takes under ~6 minutes; on a GPU drop
+the size flags to get the defaults: batch sizes 1,8,32, prompts up to 1024, 128 new tokens)::
 
-    python scripts/bench_decode.py --threads 1 --batch-sizes 1,4,16 --max-prompt 256 --new-tokens 32 \
-        --modes greedy --out results/bench_decode_greedy.json
+    python scripts/bench_decode.py --threads 1 --batch-sizes 1,4 --max-prompt 256 --new-tokens 64 \
+        --modes greedy --out results/bench_decode_greedy_b1_b4.json
+    python scripts/bench_decode.py --threads 1 --batch-sizes 16 --max-prompt 256 --new-tokens 32 \
+        --modes greedy --out results/bench_decode_greedy_b16.json
     python scripts/bench_decode.py --threads 1 --max-prompt 256 --new-tokens 32 --modes beam,sample \
-        --beam-batch-size 2 --sample-batch-size 2 --out results/bench_decode_beam_sample.json
+        --beam-batch-size 2 --sample-batch-size 1 --out results/bench_decode_beam_sample.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ the same count), with:
 - ``DynamicCache``: holds padding: left padding up to the longest prompt, so every row is as long as the
   longest, ``B x (max prompt + new - 1)`` positions;
 - ``StaticCache`` sized as users size it: (a) ``max_cache_len`` = the model's context
-  (``max_position_embeddings``), (b) ``max_cache_len`` = the batch's longest request (max prompt + new);
+  (``max_position_embeddings``), (b) ``max_cache_len`` = the batch's longest request (max prompt + new).
+  With ``--static-context allocate`` (a) is allocated through ``early_initialization``, the very tensors
+  ``generate`` would fill, but not run: attending over the whole context every step takes many minutes
+  on a CPU, and its bytes do not depend on running it;
 - ``PagedCache`` (blocks of ``--block-size`` tokens, padding takes no blocks).
 
 For each: reserved = bytes of the cache's K/V tensors (Dynamic, Static; Static also checked against

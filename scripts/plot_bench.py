@@ -78,7 +78,7 @@ def plot_memory(data: dict[str, Any], out: Path) -> Path:
 
 def plot_concurrency(data: dict[str, Any], out: Path) -> Path:
     rows = data["budget"]["rows"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     colors = ["#d62728", "#9467bd", COLORS["dynamic"], COLORS["paged"]]
     bars = ax.barh([r["label"] for r in rows], [r["admitted"] for r in rows], color=colors[: len(rows)])
     for bar, r in zip(bars, rows, strict=True):
@@ -87,8 +87,8 @@ def plot_concurrency(data: dict[str, Any], out: Path) -> Path:
     ax.set_xlabel("requests admitted as one batch")
     b = data["budget"]
     proof = b.get("proof") or {}
-    proven = " (Paged run and completed)" if proof.get("ok") else ""
-    ax.set_title(f"Concurrency under a {b['budget']} KV budget, {b['new_tokens']} new tokens each{proven}\n"
+    proven = "; Paged count proven by running it" if proof.get("ok") else ""
+    ax.set_title(f"{b['budget']} KV budget, {b['new_tokens']} new tokens per request{proven}\n"
                  f"{machine_line(data)}", fontsize=9)
     fig.tight_layout()
     path = out / "bench_concurrency.png"
@@ -100,14 +100,18 @@ def plot_concurrency(data: dict[str, Any], out: Path) -> Path:
 def plot_throughput(decodes: list[dict[str, Any]], beams: list[dict[str, Any]], out: Path) -> Path:
     """PagedCache / DynamicCache speed per scenario: wall-clock ratio, and CPU-time ratio beside it."""
     names, wall, cpu, colors = [], [], [], []
-    for data in decodes:
-        for scenario in data["scenarios"]:
-            for variant, s in scenario["summary"].items():
-                if "ratio_decode_tokens_per_s" in s:
-                    names.append(f"{scenario['scenario']}\n{variant}\n(decode)")
-                    wall.append(s["ratio_decode_tokens_per_s"])
-                    cpu.append(s.get("ratio_decode_tokens_per_cpu_s", float("nan")))
-                    colors.append(COLORS.get(variant, "#1f77b4"))
+    order = {"greedy": 0, "beam": 1, "sample": 2}
+    scenarios = sorted(
+        (scenario for data in decodes for scenario in data["scenarios"]),
+        key=lambda sc: (order.get(sc["mode"], 3), sc["batch_size"]),
+    )
+    for scenario in scenarios:
+        for variant, s in scenario["summary"].items():
+            if "ratio_decode_tokens_per_s" in s:
+                names.append(f"{scenario['scenario']}\n{variant}\n(decode)")
+                wall.append(s["ratio_decode_tokens_per_s"])
+                cpu.append(s.get("ratio_decode_tokens_per_cpu_s", float("nan")))
+                colors.append(COLORS.get(variant, "#1f77b4"))
     for data in beams:
         a = data["args"]
         names.append(f"beam{a['num_beams']} {a['prompt_len']}+{a['new_tokens']}\npaged\n(end to end)")
@@ -169,6 +173,9 @@ def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
         colors = [COLORS.get(e, "#1f77b4") for e in engines]
         speed.bar(engines, [s[e]["tokens_per_s"] for e in engines], color=colors)
         speed.set_ylabel("useful tokens/s")
+        for i, e in enumerate(engines):
+            value = s[e]["tokens_per_s"]
+            speed.annotate(f"{value:.1f}", (i, value), ha="center", va="bottom", fontsize=8)
         a = data["args"]
         speed.set_title(f"{a['num_requests']} requests, outputs: {a['outputs']}", fontsize=9)
         x = range(len(engines))
@@ -178,7 +185,8 @@ def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
                    label="used (high-water)", color="#2ca02c")
         memory.set_xticks(list(x), engines)
         memory.set_ylabel("KV MiB")
-        memory.legend(fontsize=8)
+        memory.set_ylim(0, 1.3 * max(s[e]["kv_allocated_bytes"] / MIB for e in engines))  # room for the legend
+        memory.legend(fontsize=8, ncols=2, loc="upper left")
     fig.suptitle(f"generate (Dynamic / Paged) vs transformers continuous batching   {machine_line(runs[0])}",
                  fontsize=9)
     fig.tight_layout()
