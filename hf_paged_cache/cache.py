@@ -223,10 +223,7 @@ class PagedCache(Cache):
             storage.index_copy_(0, index.write_slots, new)
         layer.length = step.length
 
-        read = index.read_slots[:, offset:]  # [B, kv_length]
-        out_keys = keys.index_select(0, read.reshape(-1)).view(batch_size, -1, *keys.shape[1:])  # [B, kv, H, D]
-        out_values = values.index_select(0, read.reshape(-1)).view(batch_size, -1, *values.shape[1:])
-        return out_keys.transpose(1, 2), out_values.transpose(1, 2)  # [B, H, kv_length, D]
+        return _gather(keys, index.read_slots, offset), _gather(values, index.read_slots, offset)
 
     def _begin_step(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> _Step:
         """Plan a new forward: check the batch, take blocks for its real tokens (all or nothing)."""
@@ -462,6 +459,19 @@ class PagedCache(Cache):
             f"PagedCache(rows={self.batch_size}, length={self.get_seq_length()}, "
             f"blocks={len(self.block_tables.unique_blocks())}, pool={self.pool!r})"
         )
+
+
+def _gather(storage: torch.Tensor, read_slots: torch.Tensor, offset: int) -> torch.Tensor:
+    """Dense ``[B, H, kv_length, D]`` K or V of positions ``offset:`` through the slots, contiguous per head.
+
+    Gathering head-major rows of the flat ``[slots * H, D]`` view (row ``slot * H + head``) gives the
+    layout `DynamicCache` holds, which SDPA reads faster than a transposed ``[B, kv, H, D]`` gather.
+    """
+    num_heads, dim = storage.shape[1:]
+    slots = read_slots[:, offset:]  # [B, kv]
+    heads = torch.arange(num_heads, device=slots.device)  # [H]
+    rows = slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)  # [B, H, kv]
+    return storage.view(-1, dim).index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # [B, H, kv, D]
 
 
 def _model_dtype(model: PreTrainedModel | None, text_config: PreTrainedConfig) -> torch.dtype:
