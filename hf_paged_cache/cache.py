@@ -39,6 +39,20 @@ class _StepIndex:
     write_slots: torch.Tensor  # [N] pool slot of each stored new token
     write_rows: torch.Tensor | None  # [N] index into the flattened [B * q] new tokens; None = all of them
     read_slots: torch.Tensor  # [B, L + q] pool slot of every position (padding -> null block)
+    _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
+
+    def read_rows(self, offset: int, num_heads: int) -> torch.Tensor:
+        """``[B, H, kv_length]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:``.
+
+        Head-major (row ``slot * H + head``), so the gather yields the contiguous per-head layout that
+        `DynamicCache` holds and SDPA reads fastest. Computed once per step for all layers alike.
+        """
+        rows = self._rows.get((offset, num_heads))
+        if rows is None:
+            slots = self.read_slots[:, offset:]  # [B, kv]
+            heads = torch.arange(num_heads, device=slots.device)  # [H]
+            rows = self._rows[(offset, num_heads)] = slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)
+        return rows
 
 
 @dataclass
@@ -223,7 +237,8 @@ class PagedCache(Cache):
             storage.index_copy_(0, index.write_slots, new)
         layer.length = step.length
 
-        return _gather(keys, index.read_slots, offset), _gather(values, index.read_slots, offset)
+        rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], shared by keys and values
+        return _gather(keys, rows), _gather(values, rows)
 
     def _begin_step(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> _Step:
         """Plan a new forward: check the batch, take blocks for its real tokens (all or nothing)."""
@@ -461,16 +476,9 @@ class PagedCache(Cache):
         )
 
 
-def _gather(storage: torch.Tensor, read_slots: torch.Tensor, offset: int) -> torch.Tensor:
-    """Dense ``[B, H, kv_length, D]`` K or V of positions ``offset:`` through the slots, contiguous per head.
-
-    Gathering head-major rows of the flat ``[slots * H, D]`` view (row ``slot * H + head``) gives the
-    layout `DynamicCache` holds, which SDPA reads faster than a transposed ``[B, kv, H, D]`` gather.
-    """
-    num_heads, dim = storage.shape[1:]
-    slots = read_slots[:, offset:]  # [B, kv]
-    heads = torch.arange(num_heads, device=slots.device)  # [H]
-    rows = slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)  # [B, H, kv]
+def _gather(storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Dense ``[B, H, kv_length, D]`` K or V: rows `rows` ``[B, H, kv_length]`` of the flat ``[slots * H, D]``."""
+    dim = storage.shape[-1]
     return storage.view(-1, dim).index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # [B, H, kv, D]
 
 
