@@ -16,7 +16,7 @@ Memory, read from the cache ``generate`` hands back (``out.cache``, the cache th
 
 Speed: end-to-end tokens/s = ``B x N / seconds`` (returned sequences, one per request), decode tokens/s
 from the per-step timestamps as in ``bench_decode.py``, and tokens per process-CPU second (steadier on a
-shared CPU, see `bench_utils.Timer`); each paged / dynamic ratio is taken between adjacent runs and its
+shared CPU, see `hf_paged_cache.bench.timing.Timer`); each paged / dynamic ratio is taken between adjacent runs and its
 median over repeats reported (target: PagedCache faster, ratio > 1).
 
 Command (the CPU run reported in the README; defaults are issue #3's 512-token prompt and 128 tokens)::
@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from hf_paged_cache import PagedCache, set_paged_attention
-from hf_paged_cache.bench_utils import (
+from hf_paged_cache.bench import (
     StepClock,
     Timer,
     add_common_args,

@@ -5,7 +5,7 @@ transformers 5.24 ships its own paged KV cache inside a continuous-batching engi
 unpadded, and admits/retires requests at every step). This script runs the same requests through it and
 through plain ``model.generate`` with a DynamicCache and with a PagedCache, side by side.
 
-Workload: ``--num-requests`` requests of the seeded ShareGPT-like stream (`hf_paged_cache.bench_utils`),
+Workload: ``--num-requests`` requests of the seeded ShareGPT-like stream (`hf_paged_cache.bench`),
 prompts capped at ``--max-prompt``. Output lengths (``--outputs``):
 
 - ``fixed``: every request generates ``--new-tokens`` tokens (the engines' raw speed on equal work);
@@ -54,7 +54,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from hf_paged_cache import PagedCache, parse_memory
-from hf_paged_cache.bench_utils import (
+from hf_paged_cache.bench import (
     StepClock,
     Workload,
     add_common_args,

@@ -1,7 +1,7 @@
 """Decode throughput of ``model.generate`` with PagedCache against DynamicCache, in the same process.
 
 Scenarios (``--modes``), each on ragged left-padded batches of the seeded ShareGPT-like workload
-(`hf_paged_cache.bench_utils`; prompts capped at ``--max-prompt``, every row generating exactly
+(`hf_paged_cache.bench`; prompts capped at ``--max-prompt``, every row generating exactly
 ``--new-tokens``):
 
 - ``greedy``: greedy search at each batch size of ``--batch-sizes``;
@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from hf_paged_cache import PagedCache, set_paged_attention
-from hf_paged_cache.bench_utils import (
+from hf_paged_cache.bench import (
     StepClock,
     Timer,
     Workload,

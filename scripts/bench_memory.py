@@ -1,7 +1,7 @@
 """KV memory of one ragged batch in DynamicCache, StaticCache and PagedCache, and concurrency under a budget.
 
 Part 1 (measured): the first ``--num-requests`` requests of a seeded ShareGPT-like workload (see
-`hf_paged_cache.bench_utils`) go through one greedy ``model.generate`` call each, left-padded, every row
+`hf_paged_cache.bench`) go through one greedy ``model.generate`` call each, left-padded, every row
 generating ``--new-tokens`` tokens (a static batch runs until its longest request ends, so every row gets
 the same count), with:
 
@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from hf_paged_cache import KVLayout, PagedCache, PoolExhaustedError, parse_memory
-from hf_paged_cache.bench_utils import (
+from hf_paged_cache.bench import (
     Timer,
     Workload,
     add_common_args,

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from hf_paged_cache import KVPool, PagedCache
-from hf_paged_cache.bench_utils import FirstTokenTimer
-from hf_paged_cache.default_model import load_model_and_tokenizer
+from hf_paged_cache.bench import FirstTokenTimer
+from hf_paged_cache.models.default_model import load_model_and_tokenizer
 
 SYSTEM = (
     "You are a patient assistant for a small bakery. You know its opening hours (8am to 6pm, closed on "

@@ -2,7 +2,7 @@
 
 The prompts (scripts/data/eval_prompts.jsonl by default: one JSON object per line with "id" and "prompt")
 are chat-templated when the tokenizer has a chat template, left-padded into batches and generated greedily
-twice per batch, once with a DynamicCache and once with a PagedCache (hf_paged_cache.generation_eval).
+twice per batch, once with a DynamicCache and once with a PagedCache (hf_paged_cache.eval.generation).
 
 Example:
     python scripts/eval_generate.py --json results/eval_generate.json
@@ -22,8 +22,8 @@ import torch
 import transformers
 
 import hf_paged_cache
-from hf_paged_cache.default_model import load_model_and_tokenizer
-from hf_paged_cache.generation_eval import compare_generation, encode_prompts
+from hf_paged_cache.models.default_model import load_model_and_tokenizer
+from hf_paged_cache.eval.generation import compare_generation, encode_prompts
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "eval_prompts.jsonl"
 

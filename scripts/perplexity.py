@@ -2,7 +2,7 @@
 
 The method is the transformers guide's "Perplexity of fixed-length models" (windows of --max-length
 tokens every --stride tokens, context tokens labelled -100), with the NLL averaged over all counted tokens
-(token-weighted sum, not the mean of per-window means); see hf_paged_cache/perplexity.py.
+(token-weighted sum, not the mean of per-window means); see hf_paged_cache/eval/perplexity.py.
 
 Examples:
     python scripts/perplexity.py --max-tokens 4096 --compare --json results/ppl.json
@@ -23,9 +23,9 @@ import torch
 import transformers
 
 import hf_paged_cache
-from hf_paged_cache.corpora import load_corpus_text
-from hf_paged_cache.default_model import load_model_and_tokenizer
-from hf_paged_cache.perplexity import CACHE_MODES, CacheMode, encode_corpus, score_windows, strided_windows
+from hf_paged_cache.eval.corpora import load_corpus_text
+from hf_paged_cache.models.default_model import load_model_and_tokenizer
+from hf_paged_cache.eval.perplexity import CACHE_MODES, CacheMode, encode_corpus, score_windows, strided_windows
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.bench_utils import (
+from hf_paged_cache.bench import (
     cache_tensor_bytes,
     kv_bytes_per_token,
     left_pad,
@@ -108,7 +108,7 @@ def cb_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
     return run_script("bench_cb", args, results_dir / "bench_cb.json")
 
 
-# ------------------------------------------------------------------------------------------ bench_utils
+# ------------------------------------------------------------------------------------------ bench helpers
 
 
 def test_workload_is_seeded_capped_and_prefix_stable() -> None:
@@ -285,7 +285,7 @@ def test_plot_bench_writes_pngs(
 
 
 def test_default_model_ragged_chat_batch_paged_matches_dynamic(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_paged_cache.default_model import load_model_and_tokenizer
+    from hf_paged_cache.models.default_model import load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub probe: the offline copy, deterministically
     model, tokenizer = load_model_and_tokenizer()

@@ -1,4 +1,4 @@
-"""Tests for hf_paged_cache.default_model.
+"""Tests for hf_paged_cache.models.default_model.
 
 The model test uses the real SmolLM2-135M-Instruct.  Without the Hub it is converted once
 from the PyPI GGUF (about a minute) into the user cache; afterwards it loads in about a
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_paged_cache import default_model
-from hf_paged_cache.default_model import (
+from hf_paged_cache.models import default_model
+from hf_paged_cache.models.default_model import (
     DEFAULT_MODEL,
     default_cache_dir,
     ensure_offline_default_model,

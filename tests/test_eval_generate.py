@@ -1,4 +1,4 @@
-"""Greedy generation DynamicCache vs PagedCache (hf_paged_cache.generation_eval, scripts/eval_generate.py)."""
+"""Greedy generation DynamicCache vs PagedCache (hf_paged_cache.eval.generation, scripts/eval_generate.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_paged_cache.generation_eval import _first_difference, compare_generation, encode_prompts, left_pad
+from hf_paged_cache.eval.generation import _first_difference, compare_generation, encode_prompts, left_pad
 from tiny_models import PAD, VOCAB, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ lm_eval = pytest.importorskip(
 )
 from lm_eval.tasks import TaskManager
 
-import hf_paged_cache.lm_eval_model as adapter
+import hf_paged_cache.eval.lm_eval_model as adapter
 from hf_paged_cache import PagedCache
-from hf_paged_cache.lm_eval_model import PagedHFLM
+from hf_paged_cache.eval.lm_eval_model import PagedHFLM
 
 DATA = Path(__file__).resolve().parent / "data"
 TASK_DIR = DATA / "lm_eval_task"

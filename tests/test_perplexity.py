@@ -1,4 +1,4 @@
-"""Strided perplexity (hf_paged_cache.perplexity), corpora, the evaluate metric and scripts/perplexity.py."""
+"""Strided perplexity (hf_paged_cache.eval.perplexity), corpora, the evaluate metric and scripts/perplexity.py."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_paged_cache.corpora import (
+from hf_paged_cache.eval.corpora import (
     CorpusDownloadError,
     load_corpus_text,
     offline_corpus_path,
     wiki_xml_to_text,
     wikitext_to_text,
 )
-from hf_paged_cache.perplexity import (
+from hf_paged_cache.eval.perplexity import (
     IGNORE_INDEX,
     encode_corpus,
     pad_windows,

@@ -181,7 +181,7 @@ def browser():
 @pytest.fixture(scope="module")
 def served(browser, tiny) -> Iterator[tuple[str, app.SharedPools, PreTrainedModel]]:
     if REAL_MODEL:
-        from hf_paged_cache.default_model import DEFAULT_MODEL, load_model_and_tokenizer
+        from hf_paged_cache.models.default_model import DEFAULT_MODEL, load_model_and_tokenizer
 
         (model, tokenizer), name = load_model_and_tokenizer(), DEFAULT_MODEL
     else:

@@ -8,8 +8,8 @@ import datasets
 import evaluate
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_paged_cache.default_model import load_model_and_tokenizer
-from hf_paged_cache.perplexity import CACHE_MODES, perplexity_of_text
+from hf_paged_cache.models.default_model import load_model_and_tokenizer
+from hf_paged_cache.eval.perplexity import CACHE_MODES, perplexity_of_text
 
 _CITATION = """\
 @misc{hf_paged_cache_perplexity,
@@ -68,7 +68,7 @@ Examples:
 
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
 class PagedPerplexity(evaluate.Metric):
-    """Strided, corpus-level perplexity computed through `hf_paged_cache.perplexity`."""
+    """Strided, corpus-level perplexity computed through `hf_paged_cache.eval.perplexity`."""
 
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(

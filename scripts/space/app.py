@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError
-from hf_paged_cache.bench_utils import FirstTokenTimer, static_cache_reserved_bytes
+from hf_paged_cache.bench import FirstTokenTimer, static_cache_reserved_bytes
 from pool_view import (
     ROW_COLORS,
     MemoryRow,
@@ -575,7 +575,7 @@ def build_app(
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, load the model and serve the app until interrupted."""
-    from hf_paged_cache.default_model import DEFAULT_MODEL, load_model_and_tokenizer
+    from hf_paged_cache.models.default_model import DEFAULT_MODEL, load_model_and_tokenizer
 
     parser = argparse.ArgumentParser(description="Serve the hf_paged_cache demo (Gradio).")
     parser.add_argument("--model", default=None, help=f"Hub id or local path (default: {DEFAULT_MODEL}, "

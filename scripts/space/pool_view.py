@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 from transformers import PreTrainedConfig
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.bench_utils import kv_bytes_per_token, static_cache_reserved_bytes, stored_tokens, used_bytes
+from hf_paged_cache.bench import kv_bytes_per_token, static_cache_reserved_bytes, stored_tokens, used_bytes
 from hf_paged_cache.block_pool import NULL_BLOCK
 
 ROW_COLORS: tuple[str, ...] = (
@@ -161,7 +161,7 @@ def compare_memory(
 ) -> list[MemoryRow]:
     """KV memory of `PagedCache`, `DynamicCache` and `StaticCache` for one left-padded batch after `generate`.
 
-    The formulas are those of `hf_paged_cache.bench_utils` (whose helpers this uses). With ``B`` rows of real
+    The formulas are those of `hf_paged_cache.bench` (whose helpers this uses). With ``B`` rows of real
     lengths ``len_i`` (longest ``L``), ``T`` generated steps and ``b`` bytes per token over all layers
     (`kv_bytes_per_token`), a cache holds every position fed to the model, i.e. the prompt and all generated
     tokens but the last one (`stored_tokens`):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import PagedCache
+from ..cache import PagedCache
 from .perplexity import cache_bytes, num_blocks_for
 
 __all__ = [

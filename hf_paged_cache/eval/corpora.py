@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .default_model import default_cache_dir, download_wheel
+from ..models.default_model import default_cache_dir, download_wheel
 
 __all__ = [
     "ENWIKI_BZ2_SHA256",
@@ -77,7 +77,7 @@ ENWIKI_BZ2_SHA256: str = "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81b
 """SHA-256 of that member (as listed in the wheel's RECORD)."""
 
 OFFLINE_CORPUS_FILENAME: str = "enwiki-excerpt.txt"
-"""Name of the plain-text excerpt inside :func:`~hf_paged_cache.default_model.default_cache_dir`."""
+"""Name of the plain-text excerpt inside :func:`~hf_paged_cache.models.default_model.default_cache_dir`."""
 
 PROVENANCE_FILENAME: str = "enwiki-excerpt.PROVENANCE.md"
 """Name of the provenance note written beside the excerpt."""
@@ -331,12 +331,12 @@ def _provenance(text: str, wheel_name: str, articles: int) -> str:
     return (
         "# enwiki-excerpt.txt\n\n"
         f"Plain text of {articles} English Wikipedia articles (2016 revisions), made by "
-        "`hf_paged_cache.corpora.offline_corpus_path()`.\n\n"
+        "`hf_paged_cache.eval.corpora.offline_corpus_path()`.\n\n"
         f"* Source: `{ENWIKI_MEMBER}` in the PyPI wheel `{wheel_name}` ({GENSIM_REQUIREMENT}, "
         "gensim's test data), SHA-256 of the `.bz2` member "
         f"`{ENWIKI_BZ2_SHA256}`.\n"
         "* Conversion: main-namespace, non-redirect pages; MediaWiki markup stripped with "
-        "`hf_paged_cache.corpora.wikitext_to_text` (templates, tables, references, files, categories, "
+        "`hf_paged_cache.eval.corpora.wikitext_to_text` (templates, tables, references, files, categories, "
         "HTML tags removed; links replaced by their text).\n"
         f"* SHA-256 of enwiki-excerpt.txt (UTF-8): `{hashlib.sha256(text.encode('utf-8')).hexdigest()}`.\n"
         "* Licence: Wikipedia text, CC BY-SA 3.0 (https://creativecommons.org/licenses/by-sa/3.0/); "
@@ -350,7 +350,7 @@ def offline_corpus_path(cache_dir: Path | None = None) -> Path:
 
     Args:
         cache_dir: Directory holding the excerpt; defaults to
-            :func:`~hf_paged_cache.default_model.default_cache_dir`.
+            :func:`~hf_paged_cache.models.default_model.default_cache_dir`.
 
     Raises:
         CorpusDownloadError: if ``pip download`` of the gensim wheel fails.
@@ -456,7 +456,7 @@ def load_corpus_text(
         cache_dir: Where the offline excerpt lives (default :func:`default_cache_dir`).
 
     Token capping (``--max-tokens``) happens after tokenization, in
-    :func:`hf_paged_cache.perplexity.encode_corpus`.
+    :func:`hf_paged_cache.eval.perplexity.encode_corpus`.
     """
     if spec is None:
         name, config, wikitext_split = WIKITEXT

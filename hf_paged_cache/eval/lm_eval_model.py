@@ -4,7 +4,7 @@ Optional: needs ``lm-eval>=0.4,<0.5`` (``pip install "lm-eval==0.4.*"``).  Impor
 registers the model type, so import it before calling the harness::
 
     import lm_eval
-    import hf_paged_cache.lm_eval_model  # registers "hf-paged"
+    import hf_paged_cache.eval.lm_eval_model  # registers "hf-paged"
 
     results = lm_eval.simple_evaluate(
         model="hf-paged",
@@ -14,7 +14,7 @@ registers the model type, so import it before calling the harness::
 
 or run the harness's command line with the model type registered::
 
-    python -m hf_paged_cache.lm_eval_model --model hf-paged --model_args pretrained=... --tasks ...
+    python -m hf_paged_cache.eval.lm_eval_model --model hf-paged --model_args pretrained=... --tasks ...
 
 `PagedHFLM` is lm-eval's `HFLM` (``"hf"``) with two methods replaced:
 
@@ -41,7 +41,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .cache import PagedCache
+from ..cache import PagedCache
 from .perplexity import chunked_logits, num_blocks_for
 
 __all__ = ["PagedHFLM", "main"]
@@ -117,7 +117,7 @@ class PagedHFLM(HFLM):
 
 
 def main() -> None:
-    """lm-eval's command line with ``hf-paged`` registered (``python -m hf_paged_cache.lm_eval_model ...``)."""
+    """lm-eval's command line with ``hf-paged`` registered (``python -m hf_paged_cache.eval.lm_eval_model ...``)."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -1,0 +1,83 @@
+"""Helpers for the benchmark scripts (``scripts/bench_*.py``) and the demo: not part of the library's API.
+
+- `workload`: the seeded ShareGPT-shaped request stream;
+- `kv_bytes`: KV byte accounting for dense and paged caches;
+- `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token;
+- `report`: shared command-line options, model loading, JSON and markdown output.
+
+Nothing in the core package imports this subpackage.
+"""
+
+from .kv_bytes import (
+    cache_tensor_bytes,
+    kv_bytes_per_token,
+    paged_blocks,
+    static_cache_reserved_bytes,
+    stored_tokens,
+    used_bytes,
+)
+from .report import (
+    add_common_args,
+    format_table,
+    load,
+    machine_info,
+    mib,
+    pad_token_id,
+    write_json,
+)
+from .timing import (
+    FirstTokenTimer,
+    StepClock,
+    Timer,
+    median,
+    peak_memory,
+    reset_peak_memory,
+    synchronize,
+)
+from .workload import (
+    SHAREGPT_INPUT,
+    SHAREGPT_INPUT_MEAN,
+    SHAREGPT_OUTPUT,
+    SHAREGPT_OUTPUT_MEAN,
+    SOURCE,
+    LogNormalLengths,
+    Request,
+    Workload,
+    left_pad,
+    prompt_token_range,
+    sharegpt_workload,
+)
+
+__all__ = [
+    "SHAREGPT_INPUT",
+    "SHAREGPT_INPUT_MEAN",
+    "SHAREGPT_OUTPUT",
+    "SHAREGPT_OUTPUT_MEAN",
+    "SOURCE",
+    "FirstTokenTimer",
+    "LogNormalLengths",
+    "Request",
+    "StepClock",
+    "Timer",
+    "Workload",
+    "add_common_args",
+    "cache_tensor_bytes",
+    "format_table",
+    "kv_bytes_per_token",
+    "left_pad",
+    "load",
+    "machine_info",
+    "median",
+    "mib",
+    "pad_token_id",
+    "paged_blocks",
+    "peak_memory",
+    "prompt_token_range",
+    "reset_peak_memory",
+    "sharegpt_workload",
+    "static_cache_reserved_bytes",
+    "stored_tokens",
+    "synchronize",
+    "used_bytes",
+    "write_json",
+]
