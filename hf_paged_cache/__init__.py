@@ -1,6 +1,11 @@
 """A paged KV cache for Hugging Face transformers: `PagedCache` drops into `model.generate`."""
 
-from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
+from .attention import (
+    ATTENTION_NAME,
+    paged_sdpa_attention,
+    register_paged_attention,
+    set_paged_attention,
+)
 from .block_pool import BlockPool
 from .cache import CacheStats, PagedCache
 from .errors import PoolExhaustedError

@@ -95,6 +95,33 @@ class BlockTables:
         self.hashes[row] = []
         self._register_full_blocks(row)
 
+    def adopt_longest_prefix(self, rows: Sequence[Sequence[int]]) -> int:
+        """Start `rows` new rows from the longest prefix all of them find cached in the pool (whole blocks).
+
+        Each row keeps at least one token to compute. Returns the number of tokens adopted per row.
+        """
+        size = self.blocks.block_size
+        max_blocks = (min(len(tokens) for tokens in rows) - 1) // size
+        matches = [self.blocks.match_prefix(tokens, max_blocks) for tokens in rows]
+        keep = min(len(m) for m in matches)
+        self.blocks.free(b for m in matches for b in reversed(m[keep:]))
+        length = keep * size
+        start = self.batch_size
+        self.add_rows(len(rows))
+        for row, (tokens, blocks) in enumerate(zip(rows, matches), start=start):
+            self.adopt_prefix(row, blocks[:keep], tokens[:length])
+        return length
+
+    def copy_to(self, other: BlockTables) -> None:
+        """Give `other` (empty, on the same pool) the same rows, sharing every block by reference count."""
+        if other.blocks is not self.blocks or other.batch_size:
+            raise ValueError("copy_to needs empty block tables on the same pool")
+        other.tables = [list(t) for t in self.tables]
+        other.num_tokens = list(self.num_tokens)
+        other.token_ids = [None if t is None else list(t) for t in self.token_ids]
+        other.hashes = [list(h) for h in self.hashes]
+        self.blocks.incref(b for t in other.tables for b in t)
+
     def finish_copy_on_write(self, pairs: list[tuple[int, int]]) -> None:
         """Drop this cache's hold on the shared blocks it copied away from."""
         self.blocks.free(src for src, _ in pairs)

@@ -2,117 +2,18 @@
 
 from __future__ import annotations
 
-import inspect
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
-from .block_table import BlockTables, slots_for_positions
+from .block_table import BlockTables
+from .inputs import PendingInputs, attach_input_hook
 from .kv_pool import KVPool
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Memory held by one `PagedCache` (blocks shared between its rows are counted once)."""
-
-    blocks_in_use: int
-    tokens_stored: int  # real tokens over all rows (a shared prefix counts once per row)
-    bytes_reserved: int  # blocks_in_use x bytes per block
-    bytes_used: int  # bytes of the block slots that hold a token
-    pool_bytes: int  # K/V tensors allocated for the whole (shared) pool so far
-    utilization: float  # bytes_used / bytes_reserved (1.0 for an empty cache)
-    prefix_hits: int  # pool-wide: full blocks found by prefix lookups
-    prefix_misses: int  # pool-wide: full blocks looked up and not found
-    prefix_evictions: int  # pool-wide: cached blocks given up to make room
-
-
-@dataclass
-class _StepIndex:
-    """Where one forward's tokens go and where every position is read from, on one device."""
-
-    write_slots: torch.Tensor  # [N] pool slot of each stored new token
-    write_rows: torch.Tensor | None  # [N] index into the flattened [B * q] new tokens; None = all of them
-    read_slots: torch.Tensor  # [B, L + q] pool slot of every position (padding -> null block)
-    _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
-
-    def read_rows(self, offset: int, num_heads: int) -> torch.Tensor:
-        """``[B, H, kv_length]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:``.
-
-        Head-major (row ``slot * H + head``), so the gather yields the contiguous per-head layout that
-        `DynamicCache` holds and SDPA reads fastest. Computed once per step for all layers alike.
-        """
-        rows = self._rows.get((offset, num_heads))
-        if rows is None:
-            slots = self.read_slots[:, offset:]  # [B, kv]
-            heads = torch.arange(num_heads, device=slots.device)  # [H]
-            rows = self._rows[(offset, num_heads)] = slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)
-        return rows
-
-
-@dataclass
-class _Step:
-    """The plan of the forward in progress, made once by its first layer and used by all of them."""
-
-    batch_size: int
-    query_length: int
-    past_length: int
-    all_real: bool  # no padding among the new tokens
-    index: dict[torch.device, _StepIndex] = field(default_factory=dict)
-
-    @property
-    def length(self) -> int:
-        return self.past_length + self.query_length
-
-
-class PagedLayer(CacheLayerMixin):
-    """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool."""
-
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
-        super().__init__()
-        self._cache = cache
-        self.layer_idx = layer_idx
-        self.sliding_window = sliding_window
-        self.length = 0  # logical positions seen, padding included (as `DynamicLayer.get_seq_length`)
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.sliding_window is not None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._cache.pool.layer(self.layer_idx, key_states, value_states)
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        return self._cache.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the K/V `update` returns next: the whole past, or the last window."""
-        offset = self.window_offset()
-        return self.length - offset + query_length, offset
-
-    def window_offset(self) -> int:
-        """First position this layer attends to (0 for full attention), as `DynamicSlidingWindowLayer`."""
-        if self.sliding_window is None:
-            return 0
-        return max(self.length - self.sliding_window + 1, 0)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
+from .layer import PagedLayer, attention_windows
+from .stats import CacheStats
+from .step import Step, build_index, gather, plan_step, write_new_tokens
 
 
 class PagedCache(Cache):
@@ -151,46 +52,30 @@ class PagedCache(Cache):
             raise TypeError(
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
-        text_config = config.get_text_config(decoder=True)
-        if getattr(config, "is_encoder_decoder", False):
-            raise NotImplementedError(
-                f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
-            )
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-        if unsupported:
-            raise NotImplementedError(
-                f"PagedCache supports attention layers of types {SUPPORTED_LAYER_TYPES}; model type "
-                f"{config.model_type!r} has layers of type {unsupported}"
-            )
+        windows = attention_windows(config)  # raises NotImplementedError for unsupported models
 
         if pool is None:
-            dtype = _model_dtype(model, text_config)
+            dtype = _model_dtype(model, config)
             pool = KVPool.for_config(
                 config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype
             )
         elif num_blocks is not None or max_memory is not None:
             raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
-        if pool.layout.num_layers != len(layer_types):
+        if pool.layout.num_layers != len(windows):
             raise ValueError(
                 f"the pool was built for {pool.layout.num_layers} layers but {config.model_type!r} has "
-                f"{len(layer_types)}: is it a pool for another model?"
+                f"{len(windows)}: is it a pool for another model?"
             )
         self.pool = pool
         self._source = config_or_model  # what fork() builds its twin from
-        layers = [
-            PagedLayer(self, idx, kwargs.get("sliding_window"))
-            for idx, kwargs in enumerate(layer_kwargs)
-        ]
-        super().__init__(layers=layers)
+        super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         self.block_tables = BlockTables(pool.blocks)
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
-        self._step: _Step | None = None
-        self._pending_mask: torch.Tensor | None = None  # [B, q] the next forward's new-token padding mask
-        self._pending_ids: torch.Tensor | None = None  # [B, q] the next forward's token ids, if known
+        self._step: Step | None = None
+        self._pending = PendingInputs()
         # A cache dropped without `release()` still gives its blocks back when it is garbage collected.
         self._finalizer = weakref.finalize(self, BlockTables.release, self.block_tables)
-        self._hook = _attach_padding_hook(model, self) if model is not None else None
+        self._hook = attach_input_hook(model, self) if model is not None else None
 
     # ------------------------------------------------------------------ the forward path
 
@@ -227,20 +112,16 @@ class PagedCache(Cache):
                 f"layer {layer_idx} got {batch_size} rows x {query_length} tokens but this forward began with "
                 f"{step.batch_size} x {step.query_length}"
             )
-        index = self._step_index(step, key_states.device)
-        offset = layer.window_offset()
-
-        for new, storage in ((key_states, keys), (value_states, values)):
-            new = new.transpose(1, 2).reshape(batch_size * query_length, *storage.shape[1:])  # [B * q, H, D]
-            if index.write_rows is not None:
-                new = new.index_select(0, index.write_rows)  # [N, H, D] real tokens only
-            storage.index_copy_(0, index.write_slots, new)
+        index = build_index(step, self.block_tables, self.is_real, self.pool.block_size, key_states.device)
+        offset = layer.window_offset()  # before this step's tokens count, as `get_mask_sizes` saw it
+        write_new_tokens(keys, key_states, index)
+        write_new_tokens(values, value_states, index)
         layer.length = step.length
 
-        rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], shared by keys and values
-        return _gather(keys, rows), _gather(values, rows)
+        rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], keys and values alike
+        return gather(keys, rows), gather(values, rows)
 
-    def _begin_step(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> _Step:
+    def _begin_step(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> Step:
         """Plan a new forward: check the batch, take blocks for its real tokens (all or nothing)."""
         past_length = layer.length
         rows = self.block_tables.batch_size
@@ -256,50 +137,13 @@ class PagedCache(Cache):
                 f"this cache holds {rows} sequences but the forward has batch size {batch_size}; call "
                 "batch_select_indices() or batch_repeat_interleave() to change the batch, or reset() it"
             )
-        new_real, new_ids = self._take_pending_inputs(batch_size, query_length)  # [B, q] each, or None
-        new_tokens = new_real.sum(dim=1).tolist() if new_real is not None else [query_length] * batch_size
-        token_ids = None
-        if new_ids is not None:
-            rows_ids = new_ids.tolist()
-            token_ids = rows_ids if new_real is None else [
-                [t for t, real in zip(ids, mask) if real] for ids, mask in zip(rows_ids, new_real.tolist())
-            ]
-        pairs = self.block_tables.append(new_tokens, token_ids)  # raises PoolExhaustedError, changing nothing
-        self.pool.copy_blocks(pairs)
-        self.block_tables.finish_copy_on_write(pairs)
-
-        all_real = new_real is None
-        if all_real:
+        new_real, new_ids = self._pending.take(batch_size, query_length)  # [B, q] each, or None
+        step = plan_step(self.block_tables, self.pool, past_length, query_length, new_real, new_ids)
+        if new_real is None:
             new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
         self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
-        self._step = _Step(batch_size, query_length, past_length, all_real)
-        return self._step
-
-    def _step_index(self, step: _Step, device: torch.device) -> _StepIndex:
-        index = step.index.get(device)
-        if index is None:
-            is_real = self.is_real.to(device)  # [B, L + q]
-            table = self.block_tables.as_tensor(device)  # [B, max_blocks]
-            read_slots = slots_for_positions(table, is_real, self.pool.block_size)  # [B, L + q]
-            new_real = is_real[:, step.past_length :]  # [B, q]
-            if step.all_real:
-                write_slots, write_rows = read_slots[:, step.past_length :].reshape(-1), None
-            else:
-                write_slots = read_slots[:, step.past_length :][new_real]  # [N]
-                write_rows = new_real.reshape(-1).nonzero().squeeze(1)  # [N]
-            index = step.index[device] = _StepIndex(write_slots, write_rows, read_slots)
-        return index
-
-    def _take_pending_inputs(
-        self, batch_size: int, query_length: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        mask, self._pending_mask = self._pending_mask, None
-        ids, self._pending_ids = self._pending_ids, None
-        if mask is not None and (mask.shape != (batch_size, query_length) or bool(mask.all())):
-            mask = None
-        if ids is not None and ids.shape != (batch_size, query_length):
-            ids = None
-        return mask, ids
+        self._step = step
+        return step
 
     def observe_inputs(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query_length: int
@@ -311,11 +155,7 @@ class PagedCache(Cache):
         ``[B, past + q]`` mask; anything else means "no padding" (padding is then stored, which changes
         memory, never results). Token ids let full blocks be found again by prefix (`reuse_prefix`).
         """
-        self._pending_mask = None
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
-            if attention_mask.shape[1] >= query_length:
-                self._pending_mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
-        self._pending_ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
+        self._pending.observe(input_ids, attention_mask, query_length)
 
     # ------------------------------------------------------------------ the Cache contract
 
@@ -374,7 +214,7 @@ class PagedCache(Cache):
         self.block_tables.release()
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)
         self._step = None
-        self._pending_mask = self._pending_ids = None
+        self._pending.clear()
         for layer in self.layers:
             layer.reset()
 
@@ -392,12 +232,7 @@ class PagedCache(Cache):
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
         twin = PagedCache(self._source, pool=self.pool)
-        tables = twin.block_tables
-        tables.tables = [list(t) for t in self.block_tables.tables]
-        tables.num_tokens = list(self.block_tables.num_tokens)
-        tables.token_ids = [None if t is None else list(t) for t in self.block_tables.token_ids]
-        tables.hashes = [list(h) for h in self.block_tables.hashes]
-        self.pool.blocks.incref(b for t in tables.tables for b in t)
+        self.block_tables.copy_to(twin.block_tables)
         twin.is_real = self.is_real.clone()
         for mine, theirs in zip(twin.layers, self.layers):
             mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
@@ -424,15 +259,7 @@ class PagedCache(Cache):
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
         rows = input_ids.tolist()
-        size = self.pool.block_size
-        max_blocks = (len(rows[0]) - 1) // size
-        matches = [self.pool.blocks.match_prefix(tokens, max_blocks) for tokens in rows]
-        keep = min(len(m) for m in matches)
-        self.pool.blocks.free(b for m in matches for b in reversed(m[keep:]))
-        length = keep * size
-        self.block_tables.add_rows(len(rows))
-        for row, (tokens, blocks) in enumerate(zip(rows, matches)):
-            self.block_tables.adopt_prefix(row, blocks[:keep], tokens[:length])
+        length = self.block_tables.adopt_longest_prefix(rows)
         self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=input_ids.device)
         for layer in self.layers:
             layer.length = length
@@ -452,22 +279,7 @@ class PagedCache(Cache):
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds right now."""
-        filled = self.block_tables.unique_blocks()
-        per_block = self.pool.bytes_per_block
-        reserved = len(filled) * per_block
-        used = sum(filled.values()) * per_block // self.pool.block_size
-        prefix = self.pool.blocks.prefix_stats()
-        return CacheStats(
-            blocks_in_use=len(filled),
-            tokens_stored=sum(self.block_tables.num_tokens),
-            bytes_reserved=reserved,
-            bytes_used=used,
-            pool_bytes=self.pool.storage_bytes(),
-            utilization=used / reserved if reserved else 1.0,
-            prefix_hits=prefix.hits,
-            prefix_misses=prefix.misses,
-            prefix_evictions=prefix.evictions,
-        )
+        return CacheStats.of(self.block_tables, self.pool)
 
     def __repr__(self) -> str:
         return (
@@ -476,49 +288,11 @@ class PagedCache(Cache):
         )
 
 
-def _gather(storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Dense ``[B, H, kv_length, D]`` K or V: rows `rows` ``[B, H, kv_length]`` of the flat ``[slots * H, D]``."""
-    dim = storage.shape[-1]
-    return storage.view(-1, dim).index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # [B, H, kv, D]
-
-
-def _model_dtype(model: PreTrainedModel | None, text_config: PreTrainedConfig) -> torch.dtype:
+def _model_dtype(model: PreTrainedModel | None, config: PreTrainedConfig) -> torch.dtype:
     if model is not None:
         return model.dtype
-    dtype = getattr(text_config, "dtype", None)
+    dtype = getattr(config.get_text_config(decoder=True), "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
-
-def _attach_padding_hook(model: PreTrainedModel, cache: PagedCache) -> torch.utils.hooks.RemovableHandle:
-    """Install a forward pre-hook that shows `cache` each forward's attention mask.
-
-    The hook holds the cache weakly and acts only on forwards that were given this cache, so any number of
-    caches can watch one model (from any number of threads) without seeing each other's masks.
-    """
-    names = list(inspect.signature(model.forward).parameters)
-    cache_ref = weakref.ref(cache)
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-        target = cache_ref()
-        if target is None or kwargs is None:
-            # torch registers a kwargs hook in two steps; a forward running in another thread meanwhile
-            # calls it without kwargs. That forward is not this cache's (it is being built or released).
-            return
-        bound = dict(zip(names, args)) | kwargs
-        if (bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")) is not target:
-            return
-        if bound.get("use_cache") is False:
-            # the model would still write into the cache while the caller re-feeds the whole sequence
-            # (generate(use_cache=False) does), silently stacking duplicate positions
-            raise ValueError("a PagedCache was passed with use_cache=False; pass use_cache=True or no cache")
-        inputs = bound.get("input_ids")
-        if inputs is None:
-            inputs = bound.get("inputs_embeds")
-        if inputs is None:
-            target.observe_inputs(None, None, 0)
-            return
-        target.observe_inputs(bound.get("input_ids"), bound.get("attention_mask"), inputs.shape[1])
-
-    return model.register_forward_pre_hook(hook, with_kwargs=True)

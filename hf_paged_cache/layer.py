@@ -1,0 +1,79 @@
+"""`PagedLayer`, one layer's view of a `PagedCache`, and which layers a model's config asks it to cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Each decoder layer's sliding window (None for full attention), read from `config`.
+
+    Raises `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that
+    are not plain attention (linear attention, chunked attention, KV sharing, ...).
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
+        )
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise NotImplementedError(
+            f"PagedCache supports attention layers of types {SUPPORTED_LAYER_TYPES}; model type "
+            f"{config.model_type!r} has layers of type {unsupported}"
+        )
+    return [kwargs.get("sliding_window") for kwargs in layer_kwargs]
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.length = 0  # logical positions seen, padding included (as `DynamicLayer.get_seq_length`)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._cache.pool.layer(self.layer_idx, key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the K/V `update` returns next: the whole past, or the last window."""
+        offset = self.window_offset()
+        return self.length - offset + query_length, offset
+
+    def window_offset(self) -> int:
+        """First position this layer attends to (0 for full attention), as `DynamicSlidingWindowLayer`."""
+        if self.sliding_window is None:
+            return 0
+        return max(self.length - self.sliding_window + 1, 0)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
