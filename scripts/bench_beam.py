@@ -1,9 +1,9 @@
 """Beam search memory and speed: PagedCache against DynamicCache in the same run (issue #3's benchmark).
 
-``--batch-size`` random-token prompts of exactly ``--prompt-len`` tokens (default 1 x 512) generate
-``--new-tokens`` tokens (default 128, all of them: ``min_new_tokens`` = ``max_new_tokens``) by beam search
-with ``--num-beams`` beams (default 4), ``return_dict_in_generate=True``, once with a ``DynamicCache`` and
-once with a ``PagedCache`` (default attention; ``--paged-sdpa`` switches to ``paged_sdpa``), alternated
+``--batch-size`` random-token prompts of exactly ``--prompt-len`` tokens (default: 1 x 512) generate
+``--new-tokens`` tokens (default: 128, all of them: ``min_new_tokens`` = ``max_new_tokens``) by beam search
+with ``--num-beams`` beams (default: 4), ``return_dict_in_generate=True``, once with a ``DynamicCache`` and
+once with a ``PagedCache`` (default: attention; ``--paged-sdpa`` switches to ``paged_sdpa``), alternated
 D, P, D, P, ... for ``--repeats`` rounds after one untimed warm-up of each.
 
 Memory, read from the cache ``generate`` hands back (``out.cache``, the cache that was passed in):
@@ -56,12 +56,12 @@ from hf_paged_cache.bench import (
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_beam.json")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens (default 128)")
-    parser.add_argument("--num-beams", type=int, default=4, help="beams (default 4)")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts in the batch (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
-    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default 16)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens (default: 128)")
+    parser.add_argument("--num-beams", type=int, default=4, help="beams (default: 4)")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts in the batch (default: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default: 3)")
+    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
     parser.add_argument("--paged-sdpa", action="store_true", help="run PagedCache with paged_sdpa attention")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:

@@ -81,21 +81,24 @@ ENGINES = ("dynamic", "paged", "cb")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_cb.json")
-    parser.add_argument("--num-requests", type=int, default=32, help="requests (default 32)")
-    parser.add_argument("--max-prompt", type=int, default=1024, help="cap on prompt lengths (default 1024)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens, or their cap (default 128)")
-    parser.add_argument("--outputs", choices=["fixed", "sharegpt"], default="fixed")
+    parser.add_argument("--num-requests", type=int, default=32, help="requests (default: 32)")
+    parser.add_argument("--max-prompt", type=int, default=1024, help="cap on prompt lengths (default: 1024)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens, or their cap (default: 128)")
+    parser.add_argument(
+        "--outputs", choices=["fixed", "sharegpt"], default="fixed",
+        help="every request generates --new-tokens, or ShareGPT-shaped lengths capped there (default: fixed)",
+    )
     parser.add_argument(
         "--output-scale", type=float, default=1.0,
-        help="multiply the drawn ShareGPT output lengths by this before capping (--outputs sharegpt)",
+        help="multiply the drawn ShareGPT output lengths by this before capping, with --outputs sharegpt (default: 1.0)",
     )
     parser.add_argument("--batch-size", type=int, default=None, help="generate batch size (default: all)")
-    parser.add_argument("--budget", default="256MiB", help="continuous batching KV cache size (default 256MiB)")
+    parser.add_argument("--budget", default="256MiB", help="continuous batching KV cache size (default: 256MiB)")
     parser.add_argument("--cb-page-size", type=int, default=None, help="CB page size (default: transformers')")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None, help="CB tokens per step (default: its own)")
-    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default 16)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed rounds (default 2)")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="engines to run (default all)")
+    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds (default: 2)")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="engines to run (default: all)")
     args = parser.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]
     for engine in args.engines:

@@ -20,7 +20,7 @@ For each: reserved = bytes of the cache's K/V tensors (Dynamic, Static; Static a
 ``prompt + new - 1`` (generate never feeds back its last token); utilization = used / reserved;
 waste = reserved - used. Every cache must produce the same tokens as DynamicCache (recorded).
 
-Part 2 (computed, then Paged proven by running): under a KV budget ``--budget`` (default 256MiB: 5825
+Part 2 (computed, then Paged proven by running): under a KV budget ``--budget`` (default: 256MiB: 5825
 tokens of SmolLM2-135M in float32, 46080 bytes each), the largest ``k`` such that the first ``k`` requests of
 the same seeded stream, each generating ``--budget-new-tokens``, fit:
 
@@ -79,25 +79,28 @@ from hf_paged_cache.bench import (
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_memory.json")
-    parser.add_argument("--num-requests", type=int, default=16, help="requests in the measured batch (default 16)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each row generates (default 32)")
+    parser.add_argument("--num-requests", type=int, default=16, help="requests in the measured batch (default: 16)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each row generates (default: 32)")
     parser.add_argument(
         "--max-prompt", type=int, default=None,
         help="cap on prompt lengths (default: the model's context minus the new tokens)",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default 16)")
-    parser.add_argument("--budget", default="256MiB", help="KV budget for part 2 (bytes or e.g. 256MiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
+    parser.add_argument(
+        "--budget", default="256MiB",
+        help="KV budget for part 2, bytes or e.g. 512MiB (default: 256MiB)",
+    )
     parser.add_argument(
         "--budget-new-tokens", type=int, default=None,
         help="new tokens per request in part 2 and its proof run (default: --new-tokens)",
     )
     parser.add_argument(
         "--candidates", type=int, default=1024,
-        help="length of the request stream part 2 admits from (default 1024)",
+        help="length of the request stream part 2 admits from (default: 1024)",
     )
     parser.add_argument(
         "--static-context", choices=["run", "allocate"], default="run",
-        help="run generate with the context-sized StaticCache, or only allocate it (much faster on CPU)",
+        help="run generate with the context-sized StaticCache, or only allocate it, much faster on CPU (default: run)",
     )
     parser.add_argument("--skip-proof", action="store_true", help="compute part 2 only, do not run the proof")
     return parser.parse_args(argv)

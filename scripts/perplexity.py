@@ -30,31 +30,36 @@ from hf_paged_cache.eval.perplexity import CACHE_MODES, CacheMode, encode_corpus
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help="Hub id or local path; None means SmolLM2-135M-Instruct")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-length", type=int, default=512, help="window length in tokens")
-    parser.add_argument("--stride", type=int, default=256, help="tokens between window starts")
-    parser.add_argument("--batch-size", type=int, default=2, help="windows per left-padded batch")
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument(
-        "--cache", default="paged", choices=CACHE_MODES, help="how windows are fed (ignored with --compare)"
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="model and cache dtype (default: float32)",
+    )
+    parser.add_argument("--max-length", type=int, default=512, help="window length in tokens (default: 512)")
+    parser.add_argument("--stride", type=int, default=256, help="tokens between window starts (default: 256)")
+    parser.add_argument("--batch-size", type=int, default=2, help="windows per left-padded batch (default: 2)")
+    parser.add_argument(
+        "--cache", default="paged", choices=CACHE_MODES, help="how windows are fed, ignored with --compare (default: paged)"
     )
     parser.add_argument(
-        "--chunk-size", type=int, default=128, help="tokens per cached forward (chunked prefill); 0 = whole window"
+        "--chunk-size", type=int, default=128, help="tokens per cached forward (chunked prefill); 0 = whole window (default: 128)"
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block (default: 16)")
     parser.add_argument(
         "--corpus",
         default=None,
         help="text file, folder of *.txt, Hub dataset name[:config], or 'offline' "
         "(default: WikiText-2 raw test when the Hub is reachable, else the offline Wikipedia excerpt)",
     )
-    parser.add_argument("--split", default="test", help="split of a Hub dataset corpus")
-    parser.add_argument("--max-tokens", type=int, default=None, help="use only the first N corpus tokens")
+    parser.add_argument("--split", default="test", help="split of a Hub dataset corpus (default: test)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="use only the first N corpus tokens (default: all)",
+    )
     parser.add_argument("--compare", action="store_true", help="run 'paged' and 'none' and report the difference")
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -1,6 +1,6 @@
 """Charts (PNG, matplotlib) from the JSON files the benchmark scripts write.
 
-Reads from ``--results-dir`` (default ``results``) whichever of these exist and writes one chart each into
+Reads from ``--results-dir`` (default: ``results``) whichever of these exist and writes one chart each into
 ``--out-dir`` (default: the results folder):
 
 - ``bench_memory*.json``  -> ``bench_memory.png``: KV bytes reserved vs used per cache (one ragged batch);
@@ -34,7 +34,7 @@ COLORS = MappingProxyType({"dynamic": "#8c8c8c", "paged": "#1f77b4", "paged_sdpa
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results-dir", default="results", help="folder of the JSON files (default results)")
+    parser.add_argument("--results-dir", default="results", help="folder of the JSON files (default: results)")
     parser.add_argument("--out-dir", default=None, help="where to write PNGs (default: --results-dir)")
     return parser.parse_args(argv)
 

@@ -20,7 +20,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, out: str) -> None:
     """``--model --device --dtype --threads --seed --out``, shared by every script."""
     parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="model and cache dtype (default: float32)",
+    )
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch.set_num_threads (default: torch's choice); on a shared CPU 1 thread is far less noisy",

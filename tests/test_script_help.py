@@ -1,0 +1,51 @@
+"""Every script's ``--help`` names each option's default exactly once (and flags none)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT_FILES = sorted(SCRIPTS.glob("*.py"))
+
+
+def help_text(path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def option_blocks(text: str) -> dict[str, str]:
+    """``{"--option METAVAR": its help text}`` from argparse's "options:" section."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"  (--?[\w-]+(?: [\w{},.-]+)?)(.*)", line)
+        if match:
+            current = match.group(1)
+            blocks[current] = match.group(2)
+        elif current is not None:
+            blocks[current] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("path", SCRIPT_FILES, ids=[p.stem for p in SCRIPT_FILES])
+def test_help_shows_every_default_once(
+    path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks = option_blocks(help_text(path, capsys, monkeypatch))
+    assert blocks, "no options found"
+    for option, text in blocks.items():
+        if option.startswith("-h") or " " not in option:  # --help and flags have no default to show
+            assert "default" not in text.lower(), option
+            continue
+        assert text.lower().count("(default:") == 1, f"{path.name} {option}: {text!r}"
