@@ -6,7 +6,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "chat_prefix_cache.py"
 
 
-def test_chat_turns_reuse_previous_blocks(tmp_path):
+def test_chat_turns_reuse_previous_blocks(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("chat_prefix_cache", SCRIPT)
     chat = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(chat)
@@ -18,3 +18,5 @@ def test_chat_turns_reuse_previous_blocks(tmp_path):
     assert second["computed_tokens"] == second["prompt_tokens"] - second["reused_tokens"]
     assert results["prefix_cache"]["hits"] >= second["reused_tokens"] // 16
     assert (tmp_path / "chat.json").exists()
+    assert results["answers_identical"]
+    assert "answers identical" in capsys.readouterr().out
