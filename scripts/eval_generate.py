@@ -46,17 +46,23 @@ def read_prompts(path: Path) -> list[dict[str, str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="model and cache dtype (default: float32)",
     )
-    parser.add_argument("--model", default=None, help="Hub id or local path; None means SmolLM2-135M-Instruct")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL file of prompts")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block")
+    parser.add_argument(
+        "--prompts", type=Path, default=DEFAULT_PROMPTS,
+        help="JSONL file of prompts (default: scripts/data/eval_prompts.jsonl)",
+    )
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per ragged batch (default: 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default: 32)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block (default: 16)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts")
-    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file (default: none)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
 
@@ -78,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
+        progress=not args.no_progress,
     )
 
     per_prompt = []

@@ -129,6 +129,7 @@ def compare_generation(
     batch_size: int = 4,
     max_new_tokens: int = 32,
     block_size: int = 16,
+    progress: bool = False,
 ) -> GenerationComparison:
     """Generate greedily for each batch with `DynamicCache`, then with `PagedCache`, and compare.
 
@@ -143,6 +144,7 @@ def compare_generation(
         batch_size: prompts per batch.
         max_new_tokens: tokens to generate per prompt.
         block_size: tokens per `PagedCache` block.
+        progress: show a tqdm bar over the runs (two per batch: dynamic, then paged).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, and no empty prompt")
@@ -161,6 +163,11 @@ def compare_generation(
     batches: list[BatchMemory] = []
     max_diff = 0.0
     dynamic_seconds = paged_seconds = dynamic_cpu = paged_cpu = 0.0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=2 * -(-len(prompts) // batch_size), desc="generate (dynamic, paged)", unit="run")
     for first in range(0, len(prompts), batch_size):
         indices = list(range(first, min(first + batch_size, len(prompts))))
         input_ids, attention_mask = left_pad([prompts[i] for i in indices], pad_token_id)  # [B, T] each
@@ -177,6 +184,8 @@ def compare_generation(
             dynamic_cpu += time.process_time() - start_cpu
             dynamic_bytes = cache_bytes(dynamic)
             del dynamic
+            if bar is not None:
+                bar.update()
 
             start, start_cpu = time.perf_counter(), time.process_time()
             # Each row needs blocks for its own real tokens only (+1 spare): padding takes none.
@@ -191,6 +200,8 @@ def compare_generation(
                 paged_cpu += time.process_time() - start_cpu
                 stats = paged_cache.stats()
                 pool_bytes = paged_cache.pool.storage_bytes()
+            if bar is not None:
+                bar.update()
 
         ref_new = reference.sequences[:, width:].tolist()  # [B, new]
         paged_new = paged.sequences[:, width:].tolist()  # [B, new]
@@ -219,6 +230,8 @@ def compare_generation(
             )
         )
 
+    if bar is not None:
+        bar.close()
     exact = 0
     compared = matching = 0
     divergence: Divergence | None = None
