@@ -1,7 +1,7 @@
 """Tests for hf_paged_cache.models.default_model.
 
 The model test uses the real SmolLM2-135M-Instruct.  Without the Hub it is converted once
-from the PyPI GGUF (about a minute) into the user cache; afterwards it loads in about a
+from the PyPI GGUF (under a minute) into the user cache; afterwards it loads in about a
 second.
 """
 
