@@ -8,7 +8,7 @@ from .attention import (
 )
 from .block_pool import BlockPool
 from .cache import CacheStats, PagedCache
-from .errors import PoolExhaustedError
+from .errors import KVMemoryError, PoolExhaustedError
 from .kv_pool import KVPool
 from .memory import KVLayout, bytes_per_block, parse_memory
 
@@ -19,6 +19,7 @@ __all__ = [
     "BlockPool",
     "CacheStats",
     "KVLayout",
+    "KVMemoryError",
     "KVPool",
     "PagedCache",
     "PoolExhaustedError",

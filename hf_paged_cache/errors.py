@@ -1,5 +1,9 @@
 """Errors raised by `hf_paged_cache`."""
 
+from __future__ import annotations
+
+import torch
+
 
 class PoolExhaustedError(RuntimeError):
     """A forward needed more KV blocks than the pool has free.
@@ -20,3 +24,21 @@ class PoolExhaustedError(RuntimeError):
             f"{total} are free. Release or crop other caches on this pool, or build the pool bigger "
             "(`num_blocks=` or `max_memory=`)."
         )
+
+
+class KVMemoryError(MemoryError):
+    """The device could not allocate (or grow) a KV pool's storage.
+
+    Attributes:
+        requested_bytes: bytes the failing allocation asked for.
+        device: where.
+
+    Raised from `BlockPool.allocate` when an elastic pool cannot grow (nothing taken, nothing written, the
+    pool keeps its size: the step can be retried after freeing memory), or from `KVPool.layer` when a layer's
+    storage cannot be created on its first forward.
+    """
+
+    def __init__(self, message: str, requested_bytes: int, device: torch.device | str):
+        super().__init__(message)
+        self.requested_bytes = requested_bytes
+        self.device = device

@@ -1,14 +1,69 @@
-"""The shared memory of paged caches: block ids (`BlockPool`) plus the per-layer tensors they index."""
+"""The shared memory of paged caches: block ids (`BlockPool`) plus the per-layer tensors they index.
+
+Fixed and elastic pools
+-----------------------
+A pool sized by ``num_blocks=`` or ``max_memory=`` is fixed: its tensors hold that many blocks and a step
+that needs more raises `PoolExhaustedError`, changing nothing. A pool given neither is *elastic*
+(``max_blocks=None``): it starts at one full context of the model, at most `ELASTIC_START_TOKENS` tokens, and
+grows when a step needs more blocks than are free, doubling (at least) each time, without a cap but the
+memory of the device. Block ids stay valid across growth, and so do the keys and values they hold.
+
+Growth and threads: the protocol
+--------------------------------
+A layer's tensors are created once, on its first `layer()` call, and are never replaced: growing the pool
+resizes them *in place* (``untyped_storage().resize_()``, which copies the contents, then ``resize_()``).
+So the tensors `layer()` returns stay that layer's storage for the pool's whole life, and cover every block
+id handed out, before or after growth.
+
+Growth happens inside `BlockPool.allocate` (when a step takes blocks), through the pool's ``on_grow`` hook,
+before the new ids exist: every existing layer tensor is resized under ``storage_lock.exclusive()``, then the
+id space grows. Resizing frees the old memory, so nobody may touch the tensors meanwhile. Hence, for callers
+that read or write a layer's tensors (`PagedCache`):
+
+1. Hold ``pool.storage_lock.shared()`` for as long as you read or write a layer's tensors (writing the new
+   keys/values, gathering the dense K/V). ``with pool.layer_storage(layer_idx, key_states, value_states) as
+   (keys, values):`` does both: `layer()` (which may create the layer's tensors, under `exclusive()`), then
+   `shared()` for the body. Results of a gather (``index_select``) are copies, safe to use after the block.
+2. Do not take blocks (`BlockTables.append`, `plan_step`, `BlockPool.allocate`) and do not call `layer()`
+   for a layer without storage while holding `shared()`: both may need `exclusive()`, and the lock refuses
+   that upgrade with a `RuntimeError` (rather than deadlock). Taking blocks before or after calling
+   `layer()` is equally fine: the tensors grow in place.
+3. `copy_blocks` takes `shared()` itself (the lock is reentrant for holders of `shared()`).
+
+Single-threaded use needs no lock at all (the tensors are resized in place), but taking it costs little.
+
+Out of memory: creating or growing storage that the device cannot allocate raises `KVMemoryError` (a
+`MemoryError`) naming the bytes. Growth fails inside `allocate`, before any block is taken or any tensor
+written: the pool keeps its size (layers already resized keep their larger, unused storage) and the caller's
+step changes nothing, as with `PoolExhaustedError`. Creating a layer's storage (its first forward) fails in
+`layer()`, in the middle of that forward.
+"""
 
 from __future__ import annotations
 
-import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedConfig
 
-from .block_pool import NULL_BLOCK, BlockPool
-from .memory import KVLayout, blocks_for_budget, blocks_for_tokens, bytes_per_block
+from .block_pool import FIXED, NULL_BLOCK, BlockPool, as_count
+from .errors import KVMemoryError
+from .locks import SharedExclusiveLock
+from .memory import (
+    KVLayout,
+    LayerShape,
+    blocks_for_budget,
+    blocks_for_tokens,
+    bytes_per_block,
+    check_fits_machine,
+    exceeds_machine,
+    format_memory,
+)
+
+ELASTIC_START_TOKENS = 4096
+"""An elastic pool starts with one full context of the model, but at most this many tokens (then grows)."""
 
 
 class KVPool:
@@ -20,17 +75,33 @@ class KVPool:
     yields ``[tokens, heads, dim]`` directly, with no per-head strides to undo.
 
     A layer's tensors are created, in the pool's dtype, on the device of the first key states it stores, so
-    a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache` objects can
-    share one pool; they share its blocks through reference counts in `blocks`.
+    a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache`
+    objects can share one pool; they share its blocks through reference counts in `blocks`.
+
+    `max_blocks` (as for `BlockPool`): by default the pool is fixed at `num_blocks`; None makes it elastic
+    (it grows as needed, see the module docstring for growth and the `storage_lock` protocol). A pool larger
+    than this machine's memory (RAM plus accelerators) is refused with `ValueError`.
     """
 
-    def __init__(self, layout: KVLayout, *, num_blocks: int, block_size: int = 16, dtype: torch.dtype):
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype,
+        max_blocks: int | None = FIXED,
+    ):
         self.layout = layout
         self.dtype = dtype
-        self.blocks = BlockPool(num_blocks, block_size)
+        self.storage_lock = SharedExclusiveLock()
+        self.blocks = BlockPool(num_blocks, block_size, max_blocks=max_blocks, on_grow=_grow_hook(self))
+        start, cap = self.blocks.num_blocks, self.blocks.max_blocks
+        asked = f"num_blocks={start}" if cap in (None, start) else f"max_blocks={cap}"
+        check_fits_machine(start if cap is None else cap, self.bytes_per_block, asked)
         self.keys: list[torch.Tensor | None] = [None] * layout.num_layers
         self.values: list[torch.Tensor | None] = [None] * layout.num_layers
-        self._init_lock = threading.Lock()  # guards lazy creation of `keys` / `values` only
+        self._storage_blocks = self.blocks.num_blocks  # blocks every layer's tensors hold (or are created with)
 
     @classmethod
     def for_config(
@@ -42,22 +113,25 @@ class KVPool:
         max_memory: int | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> KVPool:
-        """Size a pool for `config` by `num_blocks`, by a `max_memory` budget, or by default.
+        """A pool for `config`: fixed at `num_blocks` or at what a `max_memory` budget buys, else elastic.
 
-        The default holds one sequence of the model's full context (``max_position_embeddings`` tokens) plus
-        the null block; pass `num_blocks` or `max_memory` to size it for your batch.
+        With neither, the pool starts with one sequence of the model's full context (``max_position_embeddings``
+        tokens, at most `ELASTIC_START_TOKENS`) plus the null block, and grows as needed. Sizes may be ints or
+        numpy integers; `max_memory` also a string like ``"512MiB"``. Raises `ValueError` for a size this
+        machine cannot hold.
         """
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        block_size = as_count("block_size", block_size, 1)
         if num_blocks is not None and max_memory is not None:
             raise ValueError("pass num_blocks or max_memory, not both")
         layout = KVLayout.from_config(config)
         if max_memory is not None:
             num_blocks = blocks_for_budget(max_memory, layout, block_size, dtype)
-        elif num_blocks is None:
-            context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
-            num_blocks = blocks_for_tokens(context, block_size) + 1
-        return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+            check_fits_machine(num_blocks, bytes_per_block(layout, block_size, dtype), f"max_memory={max_memory!r}")
+        if num_blocks is not None:
+            return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
+        start = blocks_for_tokens(min(context, ELASTIC_START_TOKENS), block_size) + 1
+        return cls(layout, num_blocks=start, block_size=block_size, dtype=dtype, max_blocks=None)
 
     @property
     def block_size(self) -> int:
@@ -65,16 +139,37 @@ class KVPool:
 
     @property
     def num_blocks(self) -> int:
+        """Current size in blocks (the null block included); an elastic pool grows it."""
         return self.blocks.num_blocks
+
+    @property
+    def max_blocks(self) -> int | None:
+        """The cap on `num_blocks`; None for an elastic pool."""
+        return self.blocks.max_blocks
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.blocks.max_blocks is None
+
+    @property
+    def grow_count(self) -> int:
+        """How many times the pool grew."""
+        return self.blocks.grow_count
 
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.layout, self.block_size, self.dtype)
 
     def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's ``[num_blocks * block_size, heads, dim]`` key and value views, created on first use.
+        """This layer's ``[num_blocks * block_size, heads, dim]`` key and value tensors, created on first use.
 
-        Raises `ValueError` if the states do not fit the pool (another model's shapes, or another dtype).
+        The tensors are the layer's storage for the pool's life (growth resizes them in place); hold
+        `storage_lock.shared()` while reading or writing them from threads that share the pool, or use
+        `layer_storage`. Creating them takes `storage_lock.exclusive()`: do not call this for a layer without
+        storage while holding `shared()` (it raises `RuntimeError`).
+
+        Raises `ValueError` if the states do not fit the pool (another model's shapes, or another dtype), and
+        `KVMemoryError` if the device cannot allocate the storage.
         """
         if not 0 <= layer_idx < self.layout.num_layers:
             raise ValueError(f"layer {layer_idx} is outside this pool, built for {self.layout.num_layers} layers")
@@ -95,44 +190,173 @@ class KVPool:
                 "to one dtype instead"
             )
         keys = self.keys[layer_idx]
-        if keys is None:
-            with self._init_lock:
+        if keys is None or keys.shape[0] < self.blocks.num_blocks * self.block_size:
+            with self._exclusive(f"creating layer {layer_idx}'s storage"):
                 if self.keys[layer_idx] is None:
-                    self.keys[layer_idx], self.values[layer_idx] = self._allocate(shape, key_states.device)
+                    blocks = max(self.blocks.num_blocks, self._storage_blocks)
+                    keys, values = self._create(layer_idx, shape, key_states.device, blocks)
+                    self.values[layer_idx] = values  # first: whoever sees the keys (read unlocked) sees the values
+                    self.keys[layer_idx] = keys
+                else:  # only if the id space grew without the hook (never for a pool built here)
+                    self._grow_layer(layer_idx, self.blocks.num_blocks)
             keys = self.keys[layer_idx]
-        elif keys.device != key_states.device:
+        if keys.device != key_states.device:
             raise ValueError(
                 f"layer {layer_idx} ran on {key_states.device} but its pool storage lives on {keys.device}"
             )
         return keys, self.values[layer_idx]
 
-    def _allocate(self, shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.num_blocks * self.block_size
-        keys = torch.empty(slots, shape.num_heads, shape.key_dim, dtype=self.dtype, device=device)
-        values = torch.empty(slots, shape.num_heads, shape.value_dim, dtype=self.dtype, device=device)
-        null = slice(NULL_BLOCK * self.block_size, (NULL_BLOCK + 1) * self.block_size)
-        keys[null] = 0  # padding reads the null block: keep it finite
-        values[null] = 0
-        return keys, values
+    @contextmanager
+    def layer_storage(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``with pool.layer_storage(i, k, v) as (keys, values):`` `layer()`, then hold `storage_lock.shared()`.
+
+        Read and write the tensors only inside the block; what a gather returns is a copy, usable after it.
+        """
+        keys, values = self.layer(layer_idx, key_states, value_states)
+        with self.storage_lock.shared():
+            yield keys, values
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each ``(src, dst)`` block in every layer that has storage (copy-on-write, second step)."""
+        """Copy each ``(src, dst)`` block in every layer that has storage (copy-on-write, second step).
+
+        Takes `storage_lock.shared()` itself.
+        """
         if not pairs:
             return
         size = self.block_size
-        for storage in (*self.keys, *self.values):
-            if storage is None:
-                continue
-            src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
-            dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)], device=storage.device)
-            storage.index_copy_(0, dst, storage.index_select(0, src))
+        if any(k is not None and k.shape[0] < self.blocks.num_blocks * size for k in self.keys):
+            with self._exclusive("growing the storage for copy_blocks"):  # never for a pool built here
+                for layer_idx in range(self.layout.num_layers):
+                    self._grow_layer(layer_idx, self.blocks.num_blocks)
+        with self.storage_lock.shared():
+            for storage in (*self.keys, *self.values):
+                if storage is None:
+                    continue
+                src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
+                dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)], device=storage.device)
+                storage.index_copy_(0, dst, storage.index_select(0, src))
 
     def storage_bytes(self) -> int:
-        """Bytes of K/V tensors allocated so far (layers are created lazily)."""
+        """Bytes of K/V tensors allocated so far (layers are created lazily; an elastic pool's grow with it)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
+    # ------------------------------------------------------------------ growth
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if self.storage_lock.held_shared() and not self.storage_lock.held_exclusive():
+            raise RuntimeError(
+                f"{what} needs storage_lock.exclusive(), but this thread holds storage_lock.shared(): take blocks "
+                "and call layer() before entering shared() (see the protocol in hf_paged_cache/kv_pool.py)"
+            )
+        with self.storage_lock.exclusive():
+            yield
+
+    def _grow_storage(self, num_blocks: int) -> None:
+        """`BlockPool.allocate`'s hook: make every layer's tensors hold `num_blocks` blocks before the ids exist."""
+        old = self.blocks.num_blocks
+        requested = num_blocks * self.bytes_per_block
+        too_big = exceeds_machine(requested)
+        if too_big:
+            raise KVMemoryError(
+                f"growing the elastic KV pool from {old:,} to {num_blocks:,} blocks needs {requested:,} bytes "
+                f"({format_memory(requested)}) for all layers, but this machine has {too_big}. Nothing was taken: "
+                "release other caches on this pool, or give the pool a fixed size (num_blocks= / max_memory=).",
+                requested,
+                "this machine",
+            )
+        with self._exclusive(f"growing the pool to {num_blocks} blocks"):
+            for layer_idx in range(self.layout.num_layers):
+                self._grow_layer(layer_idx, num_blocks)
+            self._storage_blocks = max(self._storage_blocks, num_blocks)
+
+    def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
+        """Resize layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
+        rows = num_blocks * self.block_size
+        for name, tensor in (("keys", self.keys[layer_idx]), ("values", self.values[layer_idx])):
+            if tensor is None or tensor.shape[0] >= rows:
+                continue
+            nbytes = rows * tensor[0].numel() * tensor.element_size()
+            try:
+                _resize_storage(tensor, nbytes)  # copies the contents; on failure, nothing changed
+            except (RuntimeError, MemoryError) as error:
+                if not _out_of_memory(error):
+                    raise
+                raise KVMemoryError(
+                    f"growing the elastic KV pool from {tensor.shape[0] // self.block_size:,} to {num_blocks:,} "
+                    f"blocks: layer {layer_idx}'s {name} need {nbytes:,} bytes ({format_memory(nbytes)}) on "
+                    f"{tensor.device}, which it could not allocate ({error}). Nothing was taken: the pool keeps "
+                    f"its {self.blocks.num_blocks:,} blocks. Release other caches on this pool, or give the pool a "
+                    "fixed size (num_blocks= / max_memory=) that fits.",
+                    nbytes,
+                    tensor.device,
+                ) from error
+            with torch.inference_mode(tensor.is_inference()):
+                tensor.resize_(rows, *tensor.shape[1:])  # the storage is big enough: only the shape changes
+
+    def _create(
+        self, layer_idx: int, shape: LayerShape, device: torch.device, num_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New ``(keys, values)`` tensors of `num_blocks` blocks for layer `layer_idx`, the null block zeroed."""
+        slots = num_blocks * self.block_size
+        try:
+            keys = _empty((slots, shape.num_heads, shape.key_dim), self.dtype, device)
+            values = _empty((slots, shape.num_heads, shape.value_dim), self.dtype, device)
+        except (RuntimeError, MemoryError) as error:
+            if not _out_of_memory(error):
+                raise
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            nbytes = slots * shape.num_heads * (shape.key_dim + shape.value_dim) * itemsize
+            raise KVMemoryError(
+                f"creating layer {layer_idx}'s KV storage ({num_blocks:,} blocks of {self.block_size} tokens) needs "
+                f"{nbytes:,} bytes ({format_memory(nbytes)}) on {device}, which it could not allocate ({error}). "
+                "Use a smaller pool (num_blocks= / max_memory=, or neither for one that grows as needed).",
+                nbytes,
+                device,
+            ) from error
+        null = slice(NULL_BLOCK * self.block_size, (NULL_BLOCK + 1) * self.block_size)
+        with torch.inference_mode(False):
+            keys[null] = 0  # padding reads the null block: keep it finite
+            values[null] = 0
+        return keys, values
+
     def __repr__(self) -> str:
-        return (
-            f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, dtype={self.dtype}, "
-            f"layers={self.layout.num_layers}, free={self.blocks.num_free})"
+        size = f"num_blocks={self.num_blocks}, " + (
+            f"elastic (grown {self.grow_count}x)" if self.is_elastic else f"max_blocks={self.max_blocks}"
         )
+        return (
+            f"KVPool({size}, block_size={self.block_size}, dtype={self.dtype}, layers={self.layout.num_layers}, "
+            f"free={self.blocks.num_free}, storage={format_memory(self.storage_bytes())})"
+        )
+
+
+def _grow_hook(pool: KVPool):
+    """`pool._grow_storage`, held weakly (the pool owns the `BlockPool` that holds the hook)."""
+    ref = weakref.ref(pool)
+
+    def on_grow(num_blocks: int) -> None:
+        target = ref()
+        if target is not None:
+            target._grow_storage(num_blocks)
+
+    return on_grow
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A normal tensor even under `torch.inference_mode()`, so the pool works inside and outside it."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Grow `tensor`'s storage to `nbytes`, keeping its contents (a new allocation and a copy)."""
+    tensor.untyped_storage().resize_(nbytes)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
+        return True
+    message = str(error).lower()
+    return "out of memory" in message or "can't allocate memory" in message or "failed to allocate" in message

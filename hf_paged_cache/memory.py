@@ -1,4 +1,4 @@
-"""How many bytes a KV block costs, and how many blocks a memory budget buys.
+"""How many bytes a KV block costs, how many blocks a memory budget buys, and whether this machine holds them.
 
 For a model with `L` attention layers, `H` key/value heads of width `D`, blocks of `T` tokens and a dtype of
 `s` bytes, one block costs
@@ -13,9 +13,11 @@ differ (DeepSeek-V3 caches a compressed latent and a rotary key) use `H x (D_key
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
 
+import psutil
 import torch
 from transformers import PreTrainedConfig
 
@@ -34,17 +36,30 @@ _UNITS = {
 
 
 def parse_memory(value: int | str) -> int:
-    """Bytes in `value`: an int, or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``."""
-    if isinstance(value, bool):
+    """Bytes in `value`: an int (or numpy integer), or a string such as ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
         raise TypeError(f"max_memory must be a number of bytes or a string like '512MiB', got {value!r}")
-    if isinstance(value, int):
-        return value
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if match and match.group(2).lower() in _UNITS:
             return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
         raise ValueError(f"cannot read {value!r} as a memory size; use bytes or e.g. '512MiB', '2GiB', '1.5GB'")
-    raise TypeError(f"max_memory must be a number of bytes or a string like '512MiB', got {type(value).__name__}")
+    try:
+        return operator.index(value)  # int, numpy integers, anything with __index__
+    except TypeError:
+        raise TypeError(
+            f"max_memory must be a number of bytes or a string like '512MiB', got {type(value).__name__}"
+        ) from None
+
+
+def format_memory(num_bytes: int) -> str:
+    """`num_bytes` for people: ``"512.0 MiB"``, ``"90.9 TiB"``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -110,3 +125,52 @@ def blocks_for_budget(max_memory: int | str, layout: KVLayout, block_size: int, 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` tokens of one sequence."""
     return math.ceil(num_tokens / block_size)
+
+
+def machine_memory(*, accelerators: bool = True) -> dict[str, int]:
+    """Total memory of each place a pool's tensors can live: ``{"cpu": RAM bytes, "cuda:0": ..., ...}``.
+
+    RAM is `psutil.virtual_memory().total` (swap not counted). With `accelerators`, every visible CUDA (or
+    ROCm) and XPU device is added; asking for them initializes CUDA, so `check_fits_machine` does so only
+    when the RAM alone is too small.
+    """
+    places = {"cpu": psutil.virtual_memory().total}
+    if accelerators:
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                places[f"cuda:{index}"] = torch.cuda.get_device_properties(index).total_memory
+        xpu = getattr(torch, "xpu", None)
+        if xpu is not None and xpu.is_available():
+            for index in range(xpu.device_count()):
+                places[f"xpu:{index}"] = xpu.get_device_properties(index).total_memory
+    return places
+
+
+def check_fits_machine(num_blocks: int, per_block: int, asked: str) -> None:
+    """Raise `ValueError` if a pool of `num_blocks` blocks of `per_block` bytes exceeds this machine's memory.
+
+    The limit is the RAM plus every accelerator's memory (a model spread over several devices keeps each
+    layer's tensors beside that layer), so a pool refused here cannot be allocated anywhere on this machine;
+    one accepted may still not fit its device, which then fails when the storage is allocated. `asked`
+    names what the caller passed (``"max_memory='100TB'"``).
+    """
+    requested = num_blocks * per_block
+    too_big = exceeds_machine(requested)
+    if too_big:
+        raise ValueError(
+            f"{asked} asks for a KV pool of {requested:,} bytes ({format_memory(requested)}: {num_blocks:,} blocks "
+            f"x {per_block:,} bytes) but this machine has {too_big}. Pass a smaller max_memory= or num_blocks=, "
+            "or neither for a pool that starts small and grows as the sequences need it."
+        )
+
+
+def exceeds_machine(num_bytes: int) -> str | None:
+    """None if `num_bytes` fit in this machine's memory (RAM + accelerators), else what the machine has, in words."""
+    if num_bytes <= machine_memory(accelerators=False)["cpu"]:
+        return None  # the common case, answered without initializing CUDA
+    places = machine_memory()
+    total = sum(places.values())
+    if num_bytes <= total:
+        return None
+    where = " + ".join(f"{format_memory(size)} ({name})" for name, size in places.items())
+    return f"{total:,} bytes ({where})"

@@ -21,6 +21,9 @@ class CacheStats:
     prefix_hits: int  # pool-wide: full blocks found by prefix lookups
     prefix_misses: int  # pool-wide: full blocks looked up and not found
     prefix_evictions: int  # pool-wide: cached blocks given up to make room
+    pool_blocks: int  # the (shared) pool's current size in blocks, the null block included
+    pool_max_blocks: int | None  # its cap: pool_blocks for a fixed pool, None for an elastic one
+    pool_grows: int  # times the (elastic) pool has grown
 
     @classmethod
     def of(cls, tables: BlockTables, pool: KVPool) -> CacheStats:
@@ -40,4 +43,7 @@ class CacheStats:
             prefix_hits=prefix.hits,
             prefix_misses=prefix.misses,
             prefix_evictions=prefix.evictions,
+            pool_blocks=pool.num_blocks,
+            pool_max_blocks=pool.max_blocks,
+            pool_grows=pool.grow_count,
         )
