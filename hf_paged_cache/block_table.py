@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,15 +20,22 @@ class BlockTables:
     tables hold it, and a write into a shared, partly filled last block first copies it (copy-on-write).
 
     When a row's token ids are known (`token_ids[b]` is a list), each block it fills is registered in the
-    pool's prefix index under a key chained over all the row's tokens so far (`hashes[b]`).
+    pool's prefix index (`register_full_blocks`, once the step that filled it is complete) under a key chained
+    from `root` over all the row's tokens so far (`hashes[b]`). `root` stands for whatever else the contents
+    depend on (the model that computed them); with `root=None` nothing is registered or looked up.
+
+    A step is all or nothing: `savepoint()` before it, then `rollback()` restores the tables and every
+    reference count exactly, or `commit()` lets go of the blocks copied away from and registers new full blocks.
     """
 
-    def __init__(self, blocks: BlockPool):
+    def __init__(self, blocks: BlockPool, root: bytes | None = None):
         self.blocks = blocks
+        self.root = root
         self.tables: list[list[int]] = []
         self.num_tokens: list[int] = []
         self.token_ids: list[list[int] | None] = []  # the row's stored token ids, None once unknown
         self.hashes: list[list[bytes]] = []  # prefix key of each full block of the row
+        self.copied_from: list[int] = []  # blocks the step in progress copied away from, still held until commit
 
     @property
     def batch_size(self) -> int:
@@ -36,17 +44,20 @@ class BlockTables:
     def add_rows(self, n: int) -> None:
         self.tables.extend([] for _ in range(n))
         self.num_tokens.extend([0] * n)
-        self.token_ids.extend([] for _ in range(n))
+        self.token_ids.extend(([] if self.root is not None else None) for _ in range(n))
         self.hashes.extend([] for _ in range(n))
 
-    def append(self, new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
+    def append(
+        self, new_tokens: Sequence[int], token_ids: Sequence[Sequence[int] | None] | None = None
+    ) -> list[tuple[int, int]]:
         """Make room for `new_tokens[b]` more tokens in each row; all or nothing.
 
-        `token_ids[b]` are those tokens' ids when known (for prefix caching); None marks them unknown.
+        `token_ids[b]` are those tokens' ids when known and usable as a prefix key (for prefix caching); None
+        (for a row, or for all) marks them unknown, and the row is never registered again.
 
         Returns the ``(src, dst)`` pairs of shared last blocks that were replaced by private copies: the caller
-        must copy their contents, then `finish_copy_on_write(pairs)`. Raises `PoolExhaustedError`, with the
-        tables and pool untouched, if the pool cannot supply every block the step needs.
+        must copy their contents. The sources stay held (`copied_from`) until `commit` or `rollback`. Raises
+        `PoolExhaustedError`, with the tables and pool untouched, if the pool cannot supply every block.
         """
         size = self.blocks.block_size
         grow, copy_rows = [], []
@@ -64,14 +75,15 @@ class BlockTables:
         for row in copy_rows:
             dst = next(fresh)
             pairs.append((self.tables[row][-1], dst))
+            self.copied_from.append(self.tables[row][-1])
             self.tables[row][-1] = dst
         for row, n in enumerate(new_tokens):
             self.tables[row].extend(next(fresh) for _ in range(grow[row]))
             self.num_tokens[row] += n
             known = self.token_ids[row]
-            if known is not None and token_ids is not None:
-                known.extend(token_ids[row])
-                self._register_full_blocks(row)
+            row_ids = token_ids[row] if token_ids is not None else None
+            if known is not None and row_ids is not None and self.root is not None:
+                known.extend(row_ids)
             else:
                 self.token_ids[row] = None
         return pairs
@@ -80,12 +92,46 @@ class BlockTables:
         """Whether writing into `block` would change what someone else reads (then copy it first)."""
         return self.blocks.refcount(block) > 1 or self.blocks.is_cached(block)
 
+    def register_full_blocks(self) -> None:
+        """Make every full block of a row with known token ids findable by prefix (after its step completed)."""
+        for row, tokens in enumerate(self.token_ids):
+            if tokens is not None:
+                self._register_full_blocks(row)
+
     def _register_full_blocks(self, row: int) -> None:
         size, tokens, hashes = self.blocks.block_size, self.token_ids[row], self.hashes[row]
         for i in range(len(hashes), self.num_tokens[row] // size):
             chunk = tokens[i * size : (i + 1) * size]
-            hashes.append(hash_block(hashes[-1] if hashes else b"", chunk))
+            hashes.append(hash_block(hashes[-1] if hashes else self.root, chunk))
             self.blocks.register(self.tables[row][i], hashes[-1], chunk)
+
+    def savepoint(self) -> TablesSavepoint:
+        """What `rollback` needs to restore the tables as they are now (O(blocks held) to take)."""
+        return TablesSavepoint(
+            tables=[list(t) for t in self.tables],
+            num_tokens=list(self.num_tokens),
+            token_ids=list(self.token_ids),
+            token_counts=[0 if t is None else len(t) for t in self.token_ids],
+            hashes=list(self.hashes),
+        )
+
+    def rollback(self, savepoint: TablesSavepoint) -> None:
+        """Undo everything since `savepoint`: rows, blocks taken, copies made.
+
+        Between the savepoint and the rollback, rows may be repeated or reordered (`select`) but not dropped,
+        so every block of the savepoint is still held, by the current tables or as a copy source: holding
+        them again first and then dropping the current holds restores each reference count exactly.
+        """
+        self.blocks.incref(b for t in savepoint.tables for b in t)
+        for table in self.tables:
+            self.blocks.free(reversed(table))
+        self.blocks.free(self.copied_from)
+        self.copied_from = []
+        self.tables, self.num_tokens = savepoint.tables, savepoint.num_tokens
+        self.token_ids, self.hashes = savepoint.token_ids, savepoint.hashes
+        for tokens, count in zip(self.token_ids, savepoint.token_counts):
+            if tokens is not None:
+                del tokens[count:]  # a step only appends to the lists it found
 
     def adopt_prefix(self, row: int, blocks: list[int], token_ids: Sequence[int]) -> None:
         """Start empty row `row` with already-held, full, cached `blocks` spelling `token_ids`."""
@@ -93,16 +139,18 @@ class BlockTables:
         self.num_tokens[row] = len(token_ids)
         self.token_ids[row] = list(token_ids)
         self.hashes[row] = []
-        self._register_full_blocks(row)
+        self._register_full_blocks(row)  # computes the keys; the blocks are registered already
 
     def adopt_longest_prefix(self, rows: Sequence[Sequence[int]]) -> int:
         """Start `rows` new rows from the longest prefix all of them find cached in the pool (whole blocks).
 
         Each row keeps at least one token to compute. Returns the number of tokens adopted per row.
         """
+        if self.root is None:
+            raise ValueError("these block tables have no prefix root: nothing can be looked up by prefix")
         size = self.blocks.block_size
         max_blocks = (min(len(tokens) for tokens in rows) - 1) // size
-        matches = [self.blocks.match_prefix(tokens, max_blocks) for tokens in rows]
+        matches = [self.blocks.match_prefix(tokens, max_blocks, root=self.root) for tokens in rows]
         keep = min(len(m) for m in matches)
         self.blocks.free(b for m in matches for b in reversed(m[keep:]))
         length = keep * size
@@ -113,18 +161,20 @@ class BlockTables:
         return length
 
     def copy_to(self, other: BlockTables) -> None:
-        """Give `other` (empty, on the same pool) the same rows, sharing every block by reference count."""
-        if other.blocks is not self.blocks or other.batch_size:
-            raise ValueError("copy_to needs empty block tables on the same pool")
+        """Give `other` (empty, on the same pool and root) the same rows, sharing every block by reference count."""
+        if other.blocks is not self.blocks or other.root != self.root or other.batch_size:
+            raise ValueError("copy_to needs empty block tables on the same pool, with the same root")
         other.tables = [list(t) for t in self.tables]
         other.num_tokens = list(self.num_tokens)
         other.token_ids = [None if t is None else list(t) for t in self.token_ids]
         other.hashes = [list(h) for h in self.hashes]
         self.blocks.incref(b for t in other.tables for b in t)
 
-    def finish_copy_on_write(self, pairs: list[tuple[int, int]]) -> None:
-        """Drop this cache's hold on the shared blocks it copied away from."""
-        self.blocks.free(src for src, _ in pairs)
+    def commit(self) -> None:
+        """Finish a step: drop the holds on the blocks copied away from, register the blocks it filled."""
+        self.blocks.free(self.copied_from)
+        self.copied_from = []
+        self.register_full_blocks()
 
     def truncate(self, remove_tokens: Sequence[int]) -> None:
         """Forget the last `remove_tokens[b]` tokens of each row, freeing blocks no longer needed."""
@@ -146,13 +196,16 @@ class BlockTables:
         token_ids = [None if self.token_ids[r] is None else list(self.token_ids[r]) for r in rows]
         hashes = [list(self.hashes[r]) for r in rows]
         self.blocks.incref(b for table in tables for b in table)
-        self.release()
+        for table in self.tables:
+            self.blocks.free(reversed(table))
         self.tables, self.num_tokens, self.token_ids, self.hashes = tables, num_tokens, token_ids, hashes
 
     def release(self) -> None:
-        """Give every block back (tail blocks first) and forget all rows."""
+        """Give every block back (tail blocks first, then those of an unfinished copy) and forget all rows."""
         for table in self.tables:
             self.blocks.free(reversed(table))
+        self.blocks.free(self.copied_from)
+        self.copied_from = []
         self.tables, self.num_tokens, self.token_ids, self.hashes = [], [], [], []
 
     def unique_blocks(self) -> dict[int, int]:
@@ -184,3 +237,14 @@ def slots_for_positions(table: torch.Tensor, is_real: torch.Tensor, block_size: 
     block = table.gather(1, token // block_size)  # [B, L]
     slots = block * block_size + token % block_size  # [B, L]
     return slots.masked_fill(~is_real, NULL_BLOCK * block_size)
+
+
+@dataclass
+class TablesSavepoint:
+    """The state of a `BlockTables` before a step (see `BlockTables.savepoint`)."""
+
+    tables: list[list[int]]  # copies of each row's block list
+    num_tokens: list[int]
+    token_ids: list[list[int] | None]  # the row lists themselves: a step only appends to them
+    token_counts: list[int]  # their lengths then
+    hashes: list[list[bytes]]  # the row lists themselves: only `commit` appends to them

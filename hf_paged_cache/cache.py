@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 
+from .batch import PagedBatch
 from .block_table import BlockTables
-from .inputs import PendingInputs, attach_input_hook
+from .inputs import install_input_hook, prefix_root
 from .kv_pool import KVPool
 from .layer import PagedLayer, attention_windows
 from .stats import CacheStats
-from .step import Step, build_index, gather, plan_step, write_new_tokens
+from .step import gather, write_new_tokens
 
 
 class PagedCache(Cache):
@@ -34,7 +35,12 @@ class PagedCache(Cache):
         max_memory: size of a new pool as a byte budget: an int or a string like ``"512MiB"``.
         pool: an existing `KVPool` to share with other caches.
 
-    Use ``with PagedCache(model) as cache:`` or call `release()` to give the blocks back.
+    A forward is all or nothing: if it fails at any layer (an exception, ``KeyboardInterrupt``,
+    `PoolExhaustedError`), the next forward or the next call that reads the cache first rolls the unfinished
+    step back, blocks and prefix registrations included, so the cache is exactly as it was before.
+
+    Use ``with PagedCache(model) as cache:`` or call `release()` to give the blocks back; a cache that is
+    dropped gives them back at once.
     """
 
     def __init__(
@@ -53,29 +59,15 @@ class PagedCache(Cache):
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
-
-        if pool is None:
-            dtype = _model_dtype(model, config)
-            pool = KVPool.for_config(
-                config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype
-            )
-        elif num_blocks is not None or max_memory is not None:
-            raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
-        if pool.layout.num_layers != len(windows):
-            raise ValueError(
-                f"the pool was built for {pool.layout.num_layers} layers but {config.model_type!r} has "
-                f"{len(windows)}: is it a pool for another model?"
-            )
-        self.pool = pool
+        self.pool = _pool_for(config, model, len(windows), pool, block_size, num_blocks, max_memory)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
-        self.block_tables = BlockTables(pool.blocks)
-        self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
-        self._step: Step | None = None
-        self._pending = PendingInputs()
-        # A cache dropped without `release()` still gives its blocks back when it is garbage collected.
-        self._finalizer = weakref.finalize(self, BlockTables.release, self.block_tables)
-        self._hook = attach_input_hook(model, self) if model is not None else None
+        # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
+        self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
+        # A cache dropped without `release()` gives its blocks back at once (it is in no reference cycle).
+        self._finalizer = weakref.finalize(self, BlockTables.release, self.batch.tables)
+        if model is not None:
+            install_input_hook(model)
 
     # ------------------------------------------------------------------ the forward path
 
@@ -99,72 +91,74 @@ class PagedCache(Cache):
         batch_size, _, query_length, _ = key_states.shape
         keys, values = self.pool.layer(layer_idx, key_states, value_states)
         layer.is_initialized = True
-        step = self._step
-        if step is None or layer.length == step.length:
-            step = self._begin_step(layer, batch_size, query_length, key_states.device)
+        step = self.batch.step
+        if step is not None and layer.length == step.length:
+            self._settle()  # this layer already did the step in progress: a new forward began after a failure
+            step = None
+        if step is None:
+            step = self.batch.begin(layer.length, batch_size, query_length, key_states.device)
         elif layer.length != step.past_length:
             raise RuntimeError(
                 f"layer {layer_idx} has seen {layer.length} positions but the forward in progress runs from "
-                f"{step.past_length}: an earlier forward was interrupted; call crop() or reset() first"
+                f"{step.past_length}: every layer of the model must update the cache once per forward"
             )
         if (batch_size, query_length) != (step.batch_size, step.query_length):
             raise ValueError(
                 f"layer {layer_idx} got {batch_size} rows x {query_length} tokens but this forward began with "
                 f"{step.batch_size} x {step.query_length}"
             )
-        index = build_index(step, self.block_tables, self.is_real, self.pool.block_size, key_states.device)
+        needs_grad = _needs_grad(key_states, value_states, step.past_length)
+        index = self.batch.index(key_states.device)
         offset = layer.window_offset()  # before this step's tokens count, as `get_mask_sizes` saw it
-        write_new_tokens(keys, key_states, index)
-        write_new_tokens(values, value_states, index)
+        with self.pool.storage_lock.shared():  # another thread's step may grow the pool's tensors in place
+            write_new_tokens(keys, key_states, index)
+            write_new_tokens(values, value_states, index)
+            if needs_grad:
+                result = key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
+            else:
+                rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], keys and values alike
+                result = gather(keys, rows), gather(values, rows)  # copies: safe once the lock is let go
         layer.length = step.length
+        step.layers_done += 1
+        if step.layers_done == len(self.layers):
+            self.batch.commit()
+        return result
 
-        rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], keys and values alike
-        return gather(keys, rows), gather(values, rows)
-
-    def _begin_step(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> Step:
-        """Plan a new forward: check the batch, take blocks for its real tokens (all or nothing)."""
-        past_length = layer.length
-        rows = self.block_tables.batch_size
-        if rows == 0 and past_length == 0:
-            self.block_tables.add_rows(batch_size)
-            self.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
-        elif rows and batch_size != rows and batch_size % rows == 0:
-            # generate() expands input_ids (num_return_sequences, num_beams) but not a cache passed to it:
-            # k x B rows fed to a cache of B rows means each row repeated k times, sharing its blocks.
-            self.batch_repeat_interleave(batch_size // rows)
-        elif batch_size != rows:
-            raise ValueError(
-                f"this cache holds {rows} sequences but the forward has batch size {batch_size}; call "
-                "batch_select_indices() or batch_repeat_interleave() to change the batch, or reset() it"
-            )
-        new_real, new_ids = self._pending.take(batch_size, query_length)  # [B, q] each, or None
-        step = plan_step(self.block_tables, self.pool, past_length, query_length, new_real, new_ids)
-        if new_real is None:
-            new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
-        self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
-        self._step = step
-        return step
+    def _settle(self) -> None:
+        """Roll back a step that a failed forward left unfinished (called before reading or changing the cache)."""
+        if self.batch.step is not None:
+            length = self.batch.rollback()
+            for layer in self.layers:
+                layer.length = length
 
     def observe_inputs(
-        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query_length: int
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        query_length: int,
+        position_ids: torch.Tensor | None = None,
     ) -> None:
         """Tell the cache the next forward's token ids and which of its `query_length` tokens are padding.
 
-        Called by the forward pre-hook installed when the cache is built from a model; call it yourself
+        Called by the model's forward pre-hook when the cache is built from a model; call it yourself
         before each forward if you built the cache from a config. `attention_mask` is the usual 2D
         ``[B, past + q]`` mask; anything else means "no padding" (padding is then stored, which changes
-        memory, never results). Token ids let full blocks be found again by prefix (`reuse_prefix`).
+        memory, never results). Token ids (with `position_ids` when the forward gets them) let full blocks
+        be found again by prefix (`reuse_prefix`). A step left unfinished by a failed forward is rolled back.
         """
-        self._pending.observe(input_ids, attention_mask, query_length)
+        self._settle()
+        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids)
 
     # ------------------------------------------------------------------ the Cache contract
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._settle()
         if layer_idx >= len(self.layers):
             return 0
         return self.layers[layer_idx].length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._settle()
         if layer_idx >= len(self.layers):
             return query_length, 0
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -178,16 +172,13 @@ class PagedCache(Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
-        length = self.get_seq_length()
+        length = self.get_seq_length()  # settles an unfinished step first
         remove = min(-tokens_to_remove, length)
         if remove == 0:
             return
-        removed = self.is_real[:, length - remove :].sum(dim=1).tolist()  # real tokens per row
-        self.block_tables.truncate(removed)
-        self.is_real = self.is_real[:, : length - remove]
+        self.batch.truncate(length - remove)
         for layer in self.layers:
             layer.length = min(layer.length, length - remove)
-        self._step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` becomes old row ``beam_idx[i]``, sharing its blocks (no K/V is copied)."""
@@ -195,35 +186,25 @@ class PagedCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row `repeats` times in place, sharing blocks instead of copying them."""
-        self._select_rows(torch.arange(self.block_tables.batch_size).repeat_interleave(repeats))
+        self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only rows `indices` (their blocks are shared or freed, never copied)."""
         self._select_rows(indices)
 
     def _select_rows(self, indices: torch.Tensor | list[int]) -> None:
-        rows = torch.as_tensor(indices, dtype=torch.long).cpu()
-        if rows.numel() and (rows.min() < 0 or rows.max() >= self.block_tables.batch_size):
-            raise IndexError(f"row indices {rows.tolist()} out of range for {self.block_tables.batch_size} rows")
-        self.block_tables.select(rows.tolist())
-        self.is_real = self.is_real[rows.to(self.is_real.device)]
-        self._step = None
+        self._settle()
+        self.batch.select(indices)
 
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
-        self.block_tables.release()
-        self.is_real = torch.zeros(0, 0, dtype=torch.bool)
-        self._step = None
-        self._pending.clear()
+        self.batch.reset()  # an unfinished step's blocks are released with the rest
         for layer in self.layers:
             layer.reset()
 
     def release(self) -> None:
-        """`reset()` and detach from the model: the cache keeps no blocks and no hook."""
+        """Give every block back (`reset()`); what leaving ``with PagedCache(...) as cache:`` does."""
         self.reset()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def fork(self) -> PagedCache:
         """A new cache on the same pool holding the same sequences, sharing every block (copy-on-write).
@@ -231,9 +212,9 @@ class PagedCache(Cache):
         Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
+        self._settle()
         twin = PagedCache(self._source, pool=self.pool)
-        self.block_tables.copy_to(twin.block_tables)
-        twin.is_real = self.is_real.clone()
+        self.batch.copy_to(twin.batch)
         for mine, theirs in zip(twin.layers, self.layers):
             mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
         return twin
@@ -241,6 +222,17 @@ class PagedCache(Cache):
     def __deepcopy__(self, memo: dict) -> PagedCache:
         """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""
         return self.fork()
+
+    def __copy__(self) -> PagedCache:
+        """`copy.copy(cache)` forks too: a shallow copy would share block tables that either side could free."""
+        return self.fork()
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TypeError(
+            "a PagedCache cannot be pickled or torch.save()d: its keys and values live in a block pool shared "
+            "with other caches. Save the token ids instead and prefill them again (or take them from a pool "
+            "with reuse_prefix()); for a portable copy of the tensors, save cache.layers[i].keys / .values"
+        )
 
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
@@ -254,13 +246,17 @@ class PagedCache(Cache):
             input_ids: ``[B, S]`` token ids.
             attention_mask: ``[B, S]``, optional; if given it must be all ones (no padding).
         """
-        if self.block_tables.batch_size or self.get_seq_length():
+        _check_token_rows(input_ids)
+        if self.batch.tables.root is None:
+            raise ValueError(
+                "reuse_prefix() needs a cache built from the model (PagedCache(model)): cached blocks are keyed by "
+                "the model that computed them, which a config-built cache does not know"
+            )
+        if self.batch_size or self.get_seq_length():
             raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
-        rows = input_ids.tolist()
-        length = self.block_tables.adopt_longest_prefix(rows)
-        self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=input_ids.device)
+        length = self.batch.adopt_prefix(input_ids.tolist(), input_ids.device)
         for layer in self.layers:
             layer.length = length
         return length
@@ -275,17 +271,87 @@ class PagedCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return self.block_tables.batch_size
+        return self.batch.batch_size
+
+    @property
+    def block_tables(self) -> BlockTables:
+        """Each row's blocks in the pool (read them; change them only through the cache)."""
+        return self.batch.tables
+
+    @property
+    def is_real(self) -> torch.Tensor:
+        """``[B, L]`` bool: False where a logical position is padding (stored nowhere)."""
+        return self.batch.is_real
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds right now."""
-        return CacheStats.of(self.block_tables, self.pool)
+        self._settle()
+        return CacheStats.of(self.batch.tables, self.pool)
+
+    def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
+
+        A sliding layer gives its last ``sliding_window - 1`` positions; padding positions read zeros.
+        """
+        self._settle()
+        return self.batch.dense(layer_idx, self.layers[layer_idx].window_offset())
 
     def __repr__(self) -> str:
         return (
             f"PagedCache(rows={self.batch_size}, length={self.get_seq_length()}, "
-            f"blocks={len(self.block_tables.unique_blocks())}, pool={self.pool!r})"
+            f"blocks={len(self.batch.tables.unique_blocks())}, pool={self.pool!r})"
         )
+
+
+def _needs_grad(key_states: torch.Tensor, value_states: torch.Tensor, past_length: int) -> bool:
+    """Whether this forward wants gradients through its keys/values; refused over stored positions."""
+    needs_grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+    if needs_grad and past_length:
+        raise RuntimeError(
+            "PagedCache stores keys and values outside autograd, so gradients cannot flow into the positions "
+            "it already holds: run this forward under torch.no_grad() (as generate does), or use DynamicCache "
+            "or no cache to train through a chunked forward"
+        )
+    return needs_grad
+
+
+def _check_token_rows(input_ids: object) -> None:
+    """`reuse_prefix`'s argument must be a non-empty 2-D integer tensor."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
+        raise TypeError(
+            "reuse_prefix() takes input_ids as a 2-D integer tensor [batch, tokens], got "
+            + (f"a {input_ids.ndim}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        )
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"reuse_prefix() needs at least one row of at least one token, got shape {tuple(input_ids.shape)}"
+        )
+
+
+def _pool_for(
+    config: PreTrainedConfig,
+    model: PreTrainedModel | None,
+    num_layers: int,
+    pool: KVPool | None,
+    block_size: int,
+    num_blocks: int | None,
+    max_memory: int | str | None,
+) -> KVPool:
+    """The given `pool`, checked against the model's layers, or a new one of the requested size."""
+    if pool is None:
+        dtype = _model_dtype(model, config)
+        return KVPool.for_config(
+            config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype
+        )
+    if num_blocks is not None or max_memory is not None:
+        raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
+    if pool.layout.num_layers != num_layers:
+        raise ValueError(
+            f"the pool was built for {pool.layout.num_layers} layers but {config.model_type!r} has "
+            f"{num_layers}: is it a pool for another model?"
+        )
+    return pool
 
 
 def _model_dtype(model: PreTrainedModel | None, config: PreTrainedConfig) -> torch.dtype:

@@ -1,91 +1,130 @@
-"""What a cache learns about each forward's inputs: which new tokens are padding, and their token ids.
+"""What a cache learns about each forward's inputs: which new tokens are padding, their ids and positions.
 
-transformers passes a cache the new keys and values, never the ``attention_mask`` or ``input_ids``. A
-`PagedCache` built from a model therefore installs a forward pre-hook (`attach_input_hook`) that hands it
-both before each forward given that cache, and keeps them in a `PendingInputs` until the forward's first
-``update`` takes them.
+transformers passes a cache the new keys and values, never the ``attention_mask``, ``input_ids`` or
+``position_ids``. `install_input_hook` therefore gives a model one forward pre-hook, shared by every cache
+built from it: before each forward, it hands whatever cache the forward was given (if it observes inputs)
+those three tensors, which the cache keeps in a `PendingInputs` until the forward's first ``update``.
+
+The hook holds no cache, so a cache that is dropped leaves nothing behind on the model, and any number
+of caches (in any number of threads) can share one model without seeing each other's inputs.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
-from typing import Protocol
+import os
+import threading
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedModel
 
+_HOOK_ATTRIBUTE = "_hf_paged_cache_input_hook"  # the model's hook handle, set once per model
+_ROOT_ATTRIBUTE = "_hf_paged_cache_prefix_root"  # the model's prefix-key root, set once per model
+_INSTALL_LOCK = threading.Lock()  # makes the two set-once attributes above race-free across threads
 
+
+@runtime_checkable
 class InputObserver(Protocol):
     def observe_inputs(
-        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query_length: int
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        query_length: int,
+        position_ids: torch.Tensor | None = None,
     ) -> None: ...
 
 
 class PendingInputs:
-    """The next forward's padding mask and token ids, kept from the pre-hook until the forward's first layer."""
+    """The next forward's padding mask, token ids and positions, kept from the pre-hook to its first layer."""
 
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None  # [B, q] True for real new tokens
         self.ids: torch.Tensor | None = None  # [B, q] the new tokens' ids
+        self.positions: torch.Tensor | None = None  # [B or 1, q] their position ids, if the forward got any
 
-    def observe(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query_length: int) -> None:
-        """Keep the last `query_length` columns of a 2-D ``[B, past + q]`` mask, and 2-D `input_ids`.
+    def observe(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        query_length: int,
+        position_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Keep the last `query_length` columns of a 2-D ``[B, past + q]`` mask, 2-D `input_ids` and positions.
 
-        Anything else means "no padding" and "ids unknown".
+        Anything else means "no padding", "ids unknown" and "default positions".
         """
         self.mask = None
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
             if attention_mask.shape[1] >= query_length:
                 self.mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
         self.ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
+        self.positions = position_ids if isinstance(position_ids, torch.Tensor) else None
 
-    def take(self, batch_size: int, query_length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(new_real, new_ids)`` for a forward of this shape, then forget them.
+    def take(
+        self, batch_size: int, query_length: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(new_real, new_ids, positions)`` for a forward of this shape, then forget them.
 
-        Either is None when unknown or when it does not match the forward's shape; `new_real` is also None
+        Each is None when unknown or when it does not match the forward's shape; `new_real` is also None
         when the mask shows no padding.
         """
-        mask, ids = self.mask, self.ids
+        mask, ids, positions = self.mask, self.ids, self.positions
         self.clear()
         if mask is not None and (mask.shape != (batch_size, query_length) or bool(mask.all())):
             mask = None
         if ids is not None and ids.shape != (batch_size, query_length):
             ids = None
-        return mask, ids
+        return mask, ids, positions
 
     def clear(self) -> None:
-        self.mask = self.ids = None
+        self.mask = self.ids = self.positions = None
 
 
-def attach_input_hook(model: PreTrainedModel, cache: InputObserver) -> torch.utils.hooks.RemovableHandle:
-    """Install a forward pre-hook that shows `cache` each forward's ``input_ids`` and ``attention_mask``.
+def install_input_hook(model: PreTrainedModel) -> None:
+    """Give `model` (once) the forward pre-hook that shows an observing cache each forward's inputs."""
+    with _INSTALL_LOCK:
+        if getattr(model, _HOOK_ATTRIBUTE, None) is None:
+            handle = model.register_forward_pre_hook(_input_hook(model), with_kwargs=True)
+            object.__setattr__(model, _HOOK_ATTRIBUTE, handle)
 
-    The hook holds the cache weakly and acts only on forwards that were given this cache, so any number of
-    caches can watch one model (from any number of threads) without seeing each other's inputs.
+
+def prefix_root(model: PreTrainedModel) -> bytes:
+    """A random key that stands for `model` (its weights) at the root of its caches' prefix keys.
+
+    Blocks written by one model object are never found by another's caches, even on one shared pool with the
+    same config. Set once per model object; a model whose weights change in place keeps its key, so use a
+    fresh pool after changing weights.
     """
+    with _INSTALL_LOCK:
+        root = getattr(model, _ROOT_ATTRIBUTE, None)
+        if root is None:
+            root = os.urandom(16)
+            object.__setattr__(model, _ROOT_ATTRIBUTE, root)
+        return root
+
+
+def _input_hook(model: PreTrainedModel):
     names = list(inspect.signature(model.forward).parameters)
-    cache_ref = weakref.ref(cache)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-        target = cache_ref()
-        if target is None or kwargs is None:
+        if kwargs is None:
             # torch registers a kwargs hook in two steps; a forward running in another thread meanwhile
-            # calls it without kwargs. That forward is not this cache's (it is being built or released).
+            # calls it without kwargs. That forward started before the hook existed: nothing to observe.
             return
         bound = dict(zip(names, args)) | kwargs
-        if (bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")) is not target:
+        target = bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")
+        if not isinstance(target, InputObserver):
             return
         if bound.get("use_cache") is False:
             # the model would still write into the cache while the caller re-feeds the whole sequence
             # (generate(use_cache=False) does), silently stacking duplicate positions
             raise ValueError("a PagedCache was passed with use_cache=False; pass use_cache=True or no cache")
-        inputs = bound.get("input_ids")
-        if inputs is None:
-            inputs = bound.get("inputs_embeds")
-        if inputs is None:
-            target.observe_inputs(None, None, 0)
+        input_ids = bound.get("input_ids")
+        inputs = input_ids if input_ids is not None else bound.get("inputs_embeds")
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
+            target.observe_inputs(None, None, 0)  # the model itself raises on inputs it cannot take
             return
-        target.observe_inputs(bound.get("input_ids"), bound.get("attention_mask"), inputs.shape[1])
+        target.observe_inputs(input_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"))
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    return hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,17 +36,49 @@ def attention_windows(config: PreTrainedConfig) -> list[int | None]:
 
 
 class PagedLayer(CacheLayerMixin):
-    """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool."""
+    """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool.
+
+    `keys` and `values` read like `DynamicLayer`'s: dense ``[batch, kv_heads, length, head_dim]`` tensors
+    (the last ``sliding_window - 1`` positions on a sliding layer, as `DynamicSlidingWindowLayer` keeps),
+    gathered from the pool on each access, padding positions reading zeros. They are copies: writing into
+    them changes nothing. The layer holds its cache weakly, so the cache has no reference cycle and gives
+    its blocks back as soon as it is dropped.
+    """
 
     is_compileable = False
     is_croppable = True
 
     def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
+        self._cache_ref = weakref.ref(cache)
         super().__init__()
-        self._cache = cache
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.length = 0  # logical positions seen, padding included (as `DynamicLayer.get_seq_length`)
+
+    @property
+    def _cache(self) -> PagedCache:
+        cache = self._cache_ref()
+        if cache is None:
+            raise ReferenceError("this PagedLayer's PagedCache no longer exists")
+        return cache
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Dense ``[batch, kv_heads, length, head_dim]`` keys (a copy), or None before the first forward."""
+        return self._cache.dense_view(self.layer_idx)[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: None) -> None:
+        _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Dense ``[batch, kv_heads, length, head_dim]`` values (a copy), or None before the first forward."""
+        return self._cache.dense_view(self.layer_idx)[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value: None) -> None:
+        _refuse_assignment("values", value)
 
     @property
     def is_sliding(self) -> bool:
@@ -77,3 +110,8 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.length = 0
+
+
+def _refuse_assignment(name: str, value: object) -> None:
+    if value is not None:  # CacheLayerMixin.__init__ sets both to None; nothing else may write them
+        raise AttributeError(f"PagedLayer.{name} is a read-only view of the block pool; use PagedCache.update()")

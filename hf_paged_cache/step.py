@@ -8,11 +8,12 @@ shared by every layer on that device and by keys and values alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .block_table import BlockTables, slots_for_positions
+from .block_table import BlockTables, TablesSavepoint, slots_for_positions
 from .kv_pool import KVPool
 
 
@@ -33,25 +34,83 @@ class StepIndex:
         """
         rows = self._rows.get((offset, num_heads))
         if rows is None:
-            slots = self.read_slots[:, offset:]  # [B, kv]
-            heads = torch.arange(num_heads, device=slots.device)  # [H]
-            rows = self._rows[(offset, num_heads)] = slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)
+            rows = self._rows[(offset, num_heads)] = head_major_rows(self.read_slots[:, offset:], num_heads)
         return rows
+
+
+def head_major_rows(slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[B, H, kv]`` rows ``slot * H + head`` of the flat ``[slots * H, D]`` storage for `slots` ``[B, kv]``.
+
+    Gathering them yields the contiguous per-head layout that `DynamicCache` holds and SDPA reads fastest.
+    """
+    heads = torch.arange(num_heads, device=slots.device)  # [H]
+    return slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)  # [B, H, kv]
 
 
 @dataclass
 class Step:
-    """The plan of the forward in progress, made once by its first layer and used by all of them."""
+    """The plan of the forward in progress, made once by its first layer and used by all of them.
+
+    A step is all or nothing: it is committed when the last layer has written its keys and values, and
+    until then `undo` holds what a rollback restores.
+    """
 
     batch_size: int
     query_length: int
     past_length: int
     all_real: bool  # no padding among the new tokens
+    undo: StepUndo
+    layers_done: int = 0
     index: dict[torch.device, StepIndex] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
         return self.past_length + self.query_length
+
+
+@dataclass
+class StepUndo:
+    """The cache as it was before a step began."""
+
+    tables: TablesSavepoint
+    is_real: torch.Tensor  # [B, L] the padding mask before the step
+
+
+def prefix_token_ids(
+    stored: Sequence[int],
+    past_length: int,
+    new_real: torch.Tensor | None,
+    new_ids: torch.Tensor | None,
+    positions: torch.Tensor | None,
+) -> list[list[int] | None] | None:
+    """Each row's real new token ids when they can key prefix blocks, else None for that row.
+
+    A block's K/V can be reused by prefix only if it was computed with each token at its index in the
+    sequence (0, 1, 2, ...): rotary and learned position embeddings make keys depend on positions. Left
+    padding shifts a row's positions unless the forward passes ``position_ids`` that skip the padding
+    (``generate`` does); without ``position_ids``, transformers uses ``past_length + arange(q)`` for every row.
+
+    Args:
+        stored: tokens each row stored before this step.
+        new_real: ``[B, q]`` False where a new token is padding; None when none is.
+        new_ids: ``[B, q]`` the new token ids; None when unknown (then nothing can be registered).
+        positions: the forward's ``position_ids`` (``[B, q]`` or ``[1, q]``), None when not given.
+    """
+    if new_ids is None:
+        return None
+    batch_size, query_length = new_ids.shape
+    real = new_real.to(new_ids.device) if new_real is not None else torch.ones_like(new_ids, dtype=torch.bool)
+    first = torch.tensor(stored, device=new_ids.device).unsqueeze(1)  # [B, 1]
+    expected = first + real.cumsum(dim=1) - 1  # [B, q] index of each real token in its row
+    if positions is None:
+        positions = torch.arange(past_length, past_length + query_length, device=new_ids.device).unsqueeze(0)
+    elif positions.ndim != 2 or positions.shape[1] != query_length or positions.shape[0] not in (1, batch_size):
+        return None  # multi-dimensional (e.g. rotary sections) or unusual positions: do not key by them
+    aligned = ((positions.to(new_ids.device) == expected) | ~real).all(dim=1).tolist()  # [B]
+    rows, masks = new_ids.tolist(), real.tolist()
+    return [
+        [t for t, is_real in zip(ids, mask) if is_real] if ok else None for ids, mask, ok in zip(rows, masks, aligned)
+    ]
 
 
 def plan_step(
@@ -60,7 +119,8 @@ def plan_step(
     past_length: int,
     query_length: int,
     new_real: torch.Tensor | None,
-    new_ids: torch.Tensor | None,
+    token_ids: list[list[int] | None] | None,
+    undo: StepUndo,
 ) -> Step:
     """Take blocks for a forward's real new tokens (all or nothing) and copy shared last blocks away.
 
@@ -68,25 +128,21 @@ def plan_step(
         tables: the cache's block tables, one row per sequence of the batch.
         past_length: logical positions every row has seen so far (padding included).
         new_real: ``[B, q]`` bool, False where a new token is padding; None when none is.
-        new_ids: ``[B, q]`` token ids of the new tokens when known (they make full blocks findable by prefix).
+        token_ids: per row, the real new tokens' ids when they can key prefix blocks (`prefix_token_ids`).
+        undo: what a rollback of this step restores.
     Raises:
-        PoolExhaustedError: the pool cannot supply every block, in which case nothing changed.
+        PoolExhaustedError: the pool cannot supply every block, in which case the tables are unchanged.
     """
     batch_size = tables.batch_size
     new_tokens = new_real.sum(dim=1).tolist() if new_real is not None else [query_length] * batch_size
-    token_ids = None
-    if new_ids is not None:
-        rows_ids = new_ids.tolist()
-        token_ids = rows_ids if new_real is None else [
-            [t for t, real in zip(ids, mask) if real] for ids, mask in zip(rows_ids, new_real.tolist())
-        ]
     pairs = tables.append(new_tokens, token_ids)  # raises PoolExhaustedError, changing nothing
     pool.copy_blocks(pairs)
-    tables.finish_copy_on_write(pairs)
-    return Step(batch_size, query_length, past_length, all_real=new_real is None)
+    return Step(batch_size, query_length, past_length, all_real=new_real is None, undo=undo)
 
 
-def build_index(step: Step, tables: BlockTables, is_real: torch.Tensor, block_size: int, device: torch.device) -> StepIndex:
+def build_index(
+    step: Step, tables: BlockTables, is_real: torch.Tensor, block_size: int, device: torch.device
+) -> StepIndex:
     """The step's write and read slots on `device` (made once per device, then reused by every layer).
 
     Args:
@@ -113,7 +169,7 @@ def write_new_tokens(storage: torch.Tensor, new: torch.Tensor, index: StepIndex)
     new = new.transpose(1, 2).reshape(batch_size * query_length, *storage.shape[1:])  # [B * q, H, D]
     if index.write_rows is not None:
         new = new.index_select(0, index.write_rows)  # [N, H, D] real tokens only
-    storage.index_copy_(0, index.write_slots, new)
+    storage.index_copy_(0, index.write_slots, new.detach())  # the pool never joins an autograd graph
 
 
 def gather(storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

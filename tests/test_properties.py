@@ -14,6 +14,8 @@ operation = st.one_of(
     st.tuples(st.just("reorder"), st.integers(0, 3), st.lists(st.integers(0, 3), min_size=1, max_size=5)),
     st.tuples(st.just("crop"), st.integers(0, 3), st.integers(0, 12)),
     st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1, max_size=4),
+              st.lists(st.integers(0, 3), max_size=6)),
 )
 
 
@@ -56,15 +58,30 @@ def test_random_operations_keep_the_invariants(num_blocks, operations):
             before = [list(t) for t in cache.tables], list(cache.num_tokens), pool.num_free
             starts = list(cache.num_tokens)
             try:
-                pairs = cache.append(counts)
+                cache.append(counts)
             except PoolExhaustedError as error:
                 assert error.needed > error.free
                 assert ([list(t) for t in cache.tables], list(cache.num_tokens), pool.num_free) == before
                 continue
-            cache.finish_copy_on_write(pairs)
+            cache.commit()
             for table, start, n in zip(cache.tables, starts, counts):
                 if n:  # every block written to is private: no one else sees the new tokens
                     assert all(pool.refcount(b) == 1 for b in table[start // BLOCK_SIZE :])
+        elif op == "abort":  # a step that fails after taking blocks (and maybe reordering rows) leaves no trace
+            counts, rows = args
+            before = [list(t) for t in cache.tables], list(cache.num_tokens), pool.num_free
+            refcounts = [pool.refcount(b) for b in range(pool.num_blocks)]
+            savepoint = cache.savepoint()
+            if rows and cache.batch_size:  # a step may repeat rows (generate's expansion), never drop one
+                cache.select([r for r in range(cache.batch_size) for _ in range(1 + rows[0] % 3)])
+            if cache.batch_size:
+                try:
+                    cache.append((counts * cache.batch_size)[: cache.batch_size])
+                except PoolExhaustedError:
+                    pass
+            cache.rollback(savepoint)
+            assert ([list(t) for t in cache.tables], list(cache.num_tokens), pool.num_free) == before
+            assert [pool.refcount(b) for b in range(pool.num_blocks)] == refcounts
         elif op == "fork":
             caches.append(fork(cache))
         elif op == "reorder" and cache.batch_size:
