@@ -19,7 +19,10 @@ import re
 import shutil
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,8 +32,9 @@ from transformers import PreTrainedModel
 pytest.importorskip("gradio", reason="the Space needs gradio: pip install 'gradio==6.31.0' matplotlib")
 pytest.importorskip("matplotlib", reason="the Space needs matplotlib: pip install matplotlib")
 
-from hf_paged_cache import PagedCache, PoolExhaustedError  # noqa: E402
 from tiny_models import ragged_batch, tiny_model, tiny_tokenizer  # noqa: E402
+
+from hf_paged_cache import PagedCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = ROOT / "scripts" / "space"
@@ -126,36 +130,269 @@ def test_out_of_bounds_requests_get_clear_messages(tiny, change, message):
         app.run_batch(model, tokenizer, app.SharedPools(model, 41), **request)
 
 
-def test_full_pool_fails_alone_and_changes_nothing(tiny):
+def _hold_most_of(pool, model) -> PagedCache:
+    """A cache outside the app's waiting line (another session) holding all but a few of `pool`'s blocks."""
+    other = PagedCache(model, pool=pool)
+    model.generate(**ragged_batch([0, 2], 80), cache=other, max_new_tokens=4, do_sample=False)
+    return other
+
+
+def test_request_waits_while_another_session_holds_its_blocks(tiny):
     model, tokenizer = tiny
     pools = app.SharedPools(model, 24)
     pool = pools.pool(16)
-    with PagedCache(model, pool=pool) as other:  # another session holding most of the pool
-        model.generate(**ragged_batch([0, 2], 80), cache=other, max_new_tokens=4, do_sample=False)
+    messages, waiting = [], threading.Event()
+
+    def on_wait(message):
+        messages.append(message)
+        waiting.set()
+
+    request = dict(max_new_tokens=16, block_size=16, block_budget=23, on_wait=on_wait)
+    with ThreadPoolExecutor(1) as executor:
+        with _hold_most_of(pool, model) as other:
+            held = [list(t) for t in other.block_tables.tables]
+            free_before = pool.blocks.num_free
+            batch = executor.submit(app.run_batch, model, tokenizer, pools, BATCH, **request)
+            assert waiting.wait(30), "the request did not wait for the blocks"
+            assert "Waiting for" in messages[0] and f"{free_before} of 23 free now" in messages[0]
+            assert pool.blocks.num_free == free_before and other.block_tables.tables == held  # nothing taken
+            assert not batch.done()
+        result = batch.result(timeout=30)  # runs once the other session gives its blocks back
+    assert len(result.outputs) == 3 and result.waited_s > 0
+    assert len(messages) == 1 and pool.blocks.num_free == pool.blocks.capacity
+
+
+def test_a_wait_that_runs_out_gets_the_pool_full_message_and_changes_nothing(tiny):
+    model, tokenizer = tiny
+    pools = app.SharedPools(model, 24, max_wait_s=0.2)
+    pool = pools.pool(16)
+    with _hold_most_of(pool, model) as other:
         held = [list(t) for t in other.block_tables.tables]
         free_before = pool.blocks.num_free
-        with pytest.raises(PoolExhaustedError) as error:
+        start = time.monotonic()
+        with pytest.raises(app.PoolFullError) as error:
             app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
-        assert "pool is full" in app.pool_full_message(error.value)
+        assert 0.2 <= time.monotonic() - start < 10
+        assert "pool is full" in app.pool_full_message(error.value) and "waited 0.2 s" in str(error.value)
         assert pool.blocks.num_free == free_before
         assert other.block_tables.tables == held
         assert all(pool.blocks.refcount(b) == 1 for t in held for b in t)
+        assert (pools.line(16).waiting, pools.line(16).reserved) == (0, 0)
     result = app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
     assert len(result.outputs) == 3
 
 
 def test_chat_turn_reuses_the_previous_turns_blocks(tiny):
     model, tokenizer = tiny
-    pool = app.SharedPools(model, 64, block_sizes=(16,)).pool(16)
-    first = app.run_chat_turn(model, tokenizer, pool, [], "Hello, how are you today?", max_new_tokens=8)
+    line = app.SharedPools(model, 64, block_sizes=(16,)).line(16)
+    pool = line.pool
+    first = app.run_chat_turn(model, tokenizer, line, [], "Hello, how are you today?", max_new_tokens=8)
     history = [{"role": "user", "content": "Hello, how are you today?"}, {"role": "assistant", "content": first.answer}]
-    second = app.run_chat_turn(model, tokenizer, pool, history, "Tell me more.", max_new_tokens=8)
+    second = app.run_chat_turn(model, tokenizer, line, history, "Tell me more.", max_new_tokens=8)
     assert first.reused_tokens == 0
     assert second.reused_tokens >= first.prompt_tokens // 16 * 16 > 0
     assert second.computed_tokens == second.prompt_tokens - second.reused_tokens
     assert pool.blocks.num_free == pool.blocks.capacity
     with pytest.raises(app.InputError, match="Type a message"):
-        app.run_chat_turn(model, tokenizer, pool, history, "   ")
+        app.run_chat_turn(model, tokenizer, line, history, "   ")
+
+
+def test_plan_tab_plans_the_demo_model_and_refuses_bad_inputs(tiny, monkeypatch):
+    model, _ = tiny  # 2 layers, 2 KV heads of 16
+    text = app.run_plan(model, "tiny", batch_size=4, prompt_lengths="100", new_tokens=28, dtype="float32",
+                        block_size=16, max_memory="1MiB")
+    per_token = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head dim x (K + V) x float32
+    assert f"| 2 | full attention | 2 x (16 + 16) | {per_token:,} B |" in text
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    rows = (2**20 - weights) // (128 * per_token)  # 100 + 28 tokens per row, every cache alike here
+    assert "| DynamicCache | 256 KiB |" in text  # 4 rows x 128 tokens x 512 B
+    assert f"| {rows:,} | " in text and "Assumptions:" in text
+    ragged = app.run_plan(model, "tiny", batch_size=99, prompt_lengths="100, 7, 30", new_tokens=2)
+    assert "3 rows: prompts of 100, 7, 30 tokens" in ragged  # a list sets the batch size
+    monkeypatch.chdir(ROOT)  # where "tests/data" below names a folder
+    for change, message in (
+        (dict(batch_size=0), "Batch size"),
+        (dict(prompt_lengths="12, x"), "prompt length"),
+        (dict(new_tokens=-1), "New tokens"),
+        (dict(block_size=2.5), "Block size"),
+        (dict(dtype="int8"), "dtype must be one of"),
+        (dict(max_memory="lots"), "Max memory"),
+        (dict(hub_id="/etc"), "local paths are not read"),
+        (dict(hub_id="../secrets/x"), "local paths are not read"),
+        (dict(hub_id="tests/data"), "local paths are not read"),  # shaped like a Hub id, but a local folder
+    ):
+        with pytest.raises(app.InputError, match=message):
+            app.run_plan(model, "tiny", **change)
+
+
+class _NoTokenizer:
+    """Stands in for the tokenizer where nothing may be tokenized: any use of it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the tokenizer was used ({name}) before the input's length was checked")
+
+
+def test_long_inputs_are_refused_before_tokenizing(tiny, monkeypatch):
+    model, _ = tiny
+    tokenizer = _NoTokenizer()
+    huge = "x" * 10_000_000  # 10 MB: tokenizing it would take seconds
+    pools = app.SharedPools(model, 16, block_sizes=(16,))
+    line = pools.line(16)
+    monkeypatch.setattr(app, "AutoConfig", None)  # the plan must not fetch a config for these either
+    monkeypatch.setattr(app, "plan_memory", None)
+    requests = [
+        (lambda: app.run_batch(model, tokenizer, pools, huge), "limit is 32,000"),
+        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", system_prompt=huge), "limit is 1,000"),
+        (lambda: app.run_batch(model, tokenizer, pools, "Hi!\n" + "y" * 2001), "limit is 2000"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, [], huge), "limit is 2,000"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, [], "Hi!", system_prompt=huge), "limit is 1,000"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, [{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": huge}], "Hi!"),
+         "limit is 16,384"),
+        (lambda: app.run_plan(model, "tiny", hub_id=huge), "limit is 200"),
+        (lambda: app.run_plan(model, "tiny", prompt_lengths=huge), "limit is 65,536"),
+        (lambda: app.run_plan(model, "tiny", max_memory=huge), "limit is 32"),
+        (lambda: app.run_plan(model, "tiny", dtype=huge), "dtype must be one of"),
+        (lambda: app.run_plan(model, "tiny", batch_size="9" * 10_000_000), "Batch size must be a number"),
+    ]
+    start = time.perf_counter()
+    for request, message in requests:
+        with pytest.raises(app.InputError, match=message) as error:
+            request()
+        assert len(str(error.value)) < 200  # the input is never echoed in full
+    assert time.perf_counter() - start < 5  # was 9 s for one 10 MB system prompt
+    assert pools.pool(16).blocks.num_free == pools.pool(16).blocks.capacity
+
+
+def test_none_inputs_get_friendly_messages(tiny):
+    model, tokenizer = tiny
+    pools = app.SharedPools(model, 64, block_sizes=(16,))
+    line = pools.line(16)
+    for request, message in (
+        (lambda: app.run_batch(model, tokenizer, pools, None), "Enter at least one prompt"),
+        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", max_new_tokens=None), "max_new_tokens must be a"),
+        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", block_size=None), "Block size must be a number"),
+        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", block_budget=None), "Block budget must be a"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, None, None), "Type a message first"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, [None], "Hi!"), "press Clear"),
+        (lambda: app.run_chat_turn(model, tokenizer, line, None, "Hi!", max_new_tokens=None), "max_new_tokens"),
+        (lambda: app.run_plan(model, "tiny", prompt_lengths=None), "Enter a prompt length"),
+        (lambda: app.run_plan(model, "tiny", batch_size=None), "Batch size must be a number"),
+        (lambda: app.run_plan(model, "tiny", new_tokens=None), "New tokens must be a number"),
+        (lambda: app.run_plan(model, "tiny", block_size=None), "Block size must be a number"),
+        (lambda: app.run_plan(model, "tiny", dtype=None), "dtype must be one of"),
+        (lambda: app.run_plan(model, "tiny", max_memory=None), "Enter the max memory"),
+    ):
+        with pytest.raises(app.InputError, match=message):
+            request()
+    # an empty optional text (None) is simply empty
+    assert app.run_batch(model, tokenizer, pools, "Hi!", system_prompt=None, max_new_tokens=2, block_budget=63).outputs
+    assert app.run_chat_turn(model, tokenizer, line, None, "Hi!", system_prompt=None, max_new_tokens=2).answer
+    assert "rows that fit" in app.run_plan(model, "tiny", hub_id=None)
+    # the page's handlers: a message, not a stack trace
+    demo = app.build_app(model, tokenizer, pools=pools, model_name="tiny")
+    on_chat = next(f.fn for f in demo.fns.values() if f.name == "on_chat")
+    with pytest.raises(app.gr.Error, match="Type a message first"):
+        on_chat(None, None, None, None, None)
+    on_batch = next(f.fn for f in demo.fns.values() if f.name == "on_batch")
+    with pytest.raises(app.gr.Error, match="Enter at least one prompt"):
+        on_batch(None, None, None, None, None, None)
+
+
+CHATS = ("Hello, how are you today?", "What is a KV cache?")
+BATCHES = (BATCH, "Name a colour.\nName a fruit, then a vegetable, then a tree.\nName a planet.")
+
+
+def test_four_concurrent_requests_wait_their_turn_and_match_sequential_outputs(tiny):
+    model, tokenizer = tiny
+    chat = dict(system_prompt="Be brief.", max_new_tokens=8)
+    batch = dict(system_prompt="Be brief and kind.", max_new_tokens=6, block_size=16)
+
+    def run_all(pools, on_wait=None):
+        """Two chat turns and two batches on the pool of 16-token blocks, one request per thread."""
+        with ThreadPoolExecutor(4) as executor:
+            chats = [executor.submit(app.run_chat_turn, model, tokenizer, pools.line(16), [], text, **chat,
+                                     on_wait=on_wait) for text in CHATS]
+            batches = [executor.submit(app.run_batch, model, tokenizer, pools, text, **batch,
+                                       block_budget=pools.pool(16).blocks.capacity, on_wait=on_wait)
+                       for text in BATCHES]
+            return [f.result(timeout=60).answer for f in chats], [f.result(timeout=60).outputs for f in batches]
+
+    sequential = app.SharedPools(model, 64, block_sizes=(16,))
+    expected = ([app.run_chat_turn(model, tokenizer, sequential.line(16), [], text, **chat).answer for text in CHATS],
+                [app.run_batch(model, tokenizer, sequential, text, **batch, block_budget=63).outputs
+                 for text in BATCHES])
+
+    # 18 blocks: the batches need 13 and 10 at worst, the chat turns 5 and 4, so the batches never run together
+    pools = app.SharedPools(model, 19, block_sizes=(16,))
+    line, messages = pools.line(16), []
+    with ThreadPoolExecutor(1) as starter, line.admit(line.pool.blocks.capacity):  # the pool taken, for now
+        results = starter.submit(run_all, pools, messages.append)
+        deadline = time.monotonic() + 30
+        while line.waiting < 4:  # all four queue up behind the request holding the pool
+            assert time.monotonic() < deadline and not results.done(), "the requests did not queue"
+            time.sleep(0.01)
+    assert results.result(timeout=60) == expected  # none was told the pool is full
+    assert len(messages) == 4 and all(m.startswith("Waiting for") for m in messages)
+    assert pools.pool(16).blocks.num_free == pools.pool(16).blocks.capacity and line.reserved == 0
+
+
+def test_a_request_bigger_than_the_whole_pool_is_refused_at_once(tiny):
+    model, tokenizer = tiny
+    line = app.SharedPools(model, 4, block_sizes=(16,)).line(16)  # 3 blocks of 16 tokens
+    waits = []
+    start = time.monotonic()
+    with pytest.raises(app.PoolFullError, match="more than the whole pool holds") as error:
+        app.run_chat_turn(model, tokenizer, line, [], "A message longer than the three blocks of this little pool.",
+                          max_new_tokens=8, on_wait=waits.append)
+    assert time.monotonic() - start < app.MAX_WAIT_S / 3 and not waits  # no waiting: it could never fit
+    assert "pool is full" in app.pool_full_message(error.value)
+    assert line.pool.blocks.num_free == line.pool.blocks.capacity and (line.waiting, line.reserved) == (0, 0)
+
+
+def test_the_waiting_line_is_bounded(tiny):
+    model, _ = tiny
+    line = app.WaitingLine(app.SharedPools(model, 8, block_sizes=(16,)).pool(16), max_waiting=2)
+
+    def wait_for_one_block():
+        with line.admit(1):
+            return True
+
+    with ThreadPoolExecutor(2) as executor:
+        with line.admit(7):  # the whole pool
+            waiters = [executor.submit(wait_for_one_block) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while line.waiting < 2:
+                assert time.monotonic() < deadline, "the waiters did not queue"
+                time.sleep(0.01)
+            start = time.monotonic()
+            with pytest.raises(app.PoolFullError, match="2 requests are already waiting"):
+                with line.admit(1):
+                    pass
+            assert time.monotonic() - start < 5  # refused at once, not after a wait
+        assert all(w.result(timeout=30) for w in waiters)  # those in line run once the pool is given back
+    assert (line.waiting, line.reserved) == (0, 0)
+
+
+def test_gradio_queue_is_bounded(tiny):
+    model, tokenizer = tiny
+    demo = app.build_app(model, tokenizer, pools=app.SharedPools(model, 8), concurrency=3, queue_size=5)
+    assert (demo._queue.max_size, demo._queue.default_concurrency_limit) == (5, 3)
+    chat = [f for f in demo.fns.values() if f.name == "on_chat"]
+    assert len(chat) == 2 and {(f.concurrency_id, f.concurrency_limit) for f in chat} == {("chat", 3)}
+
+
+def test_help_shows_every_default_once(capsys):
+    from test_script_help import option_blocks
+
+    with pytest.raises(SystemExit) as exit_info:
+        app.main(["--help"])
+    assert exit_info.value.code == 0
+    blocks = option_blocks(capsys.readouterr().out)
+    assert {"--host HOST", "--port PORT", "--device DEVICE", "--concurrency CONCURRENCY"} <= set(blocks)
+    for option, text in blocks.items():
+        expected = 0 if option.startswith("-h") or " " not in option else 1  # flags show no default
+        assert text.lower().count("(default:") == expected == text.lower().count("default"), (option, text)
 
 
 # --------------------------------------------------------------------------- the page in a browser
@@ -181,7 +418,10 @@ def browser():
 @pytest.fixture(scope="module")
 def served(browser, tiny) -> Iterator[tuple[str, app.SharedPools, PreTrainedModel]]:
     if REAL_MODEL:
-        from hf_paged_cache.models.default_model import DEFAULT_MODEL, load_model_and_tokenizer
+        from hf_paged_cache.models.default_model import (
+            DEFAULT_MODEL,
+            load_model_and_tokenizer,
+        )
 
         (model, tokenizer), name = load_model_and_tokenizer(), DEFAULT_MODEL
     else:
@@ -240,18 +480,18 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     page.get_by_text("At most 8 prompts per batch; got 9.").first.wait_for()
     assert "Traceback" not in page.content()
 
-    # another session holds nearly the whole pool: this request is told, the other one keeps its blocks
+    # another session holds nearly the whole pool: this request waits, saying so, and runs once it is free
     with PagedCache(model, pool=pools.pool(16)) as other:
         model.generate(**ragged_batch([0] * 7 + [10], 240), cache=other, max_new_tokens=1, do_sample=False)
         assert pools.pool(16).blocks.num_free < 10
         held = [list(t) for t in other.block_tables.tables]
         page.locator("#batch-prompts textarea").fill(BATCH)
         page.locator("#run-batch").click()
-        page.locator("#batch-status", has_text="pool is full").wait_for()
-        assert rows.count() == 0
+        page.get_by_text("other sessions are using").first.wait_for()  # the waiting message
         assert other.block_tables.tables == held
-    page.locator("#run-batch").click()
-    page.locator("#batch-status", has_text="ran 3 prompts").wait_for()
+        assert "pool is full" not in page.locator("#batch-status").inner_text()
+    page.locator("#batch-status", has_text="after waiting").wait_for()
+    assert "ran 3 prompts" in page.locator("#batch-status").inner_text()
     assert rows.count() == 3
 
     # two sessions at once on the same pools: both get their answers, and every block comes back
@@ -286,4 +526,23 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     assert int(cells[1][3]) == int(cells[1][1]) - int(cells[1][2])  # computed = prompt - reused
     assert page.locator("#chat-box").inner_text().count("KV cache") >= 1
     page.screenshot(path=str(tmp_path / "space_chat.png"), full_page=True)
+    page.close()
+
+
+def test_browser_plan_tab(browser, served):
+    url, _, _ = served
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.get_by_role("tab", name="Plan").click()
+    output = page.locator("#plan-output")
+    output.get_by_text("rows that fit in 24 GiB").wait_for()  # the demo model's plan, shown on load
+    page.locator("#plan-lengths textarea, #plan-lengths input").first.fill("100, 7, 30")
+    page.locator("#run-plan").click()
+    output.get_by_text("3 rows: prompts of 100, 7, 30 tokens").wait_for()
+    assert "PagedCache" in output.inner_text() and "Assumptions" in output.inner_text()
+    page.locator("#plan-hub-id textarea, #plan-hub-id input").first.fill("/etc/passwd")
+    page.locator("#run-plan").click()
+    page.get_by_text("local paths are not read").first.wait_for()
+    assert "Traceback" not in page.content()
     page.close()

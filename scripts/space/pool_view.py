@@ -23,7 +23,12 @@ from matplotlib.patches import Patch, Rectangle
 from transformers import PreTrainedConfig
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.bench import kv_bytes_per_token, static_cache_reserved_bytes, stored_tokens, used_bytes
+from hf_paged_cache.bench import (
+    kv_bytes_per_token,
+    static_cache_reserved_bytes,
+    stored_tokens,
+    used_bytes,
+)
 from hf_paged_cache.block_pool import NULL_BLOCK
 
 ROW_COLORS: tuple[str, ...] = (
