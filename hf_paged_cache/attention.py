@@ -1,16 +1,19 @@
 """`paged_sdpa`: the attention function registered for paged caches.
 
-transformers hands an attention function only the tensors the cache's ``update`` returned, never the
-cache itself, so the block-table gather happens in `PagedCache.update` (one ``index_select`` per layer over
-slot ids computed once per forward) and this function attends over the gathered K/V. What it adds over
-the stock ``sdpa`` path:
+With a `PagedCache` built from the model, `PagedCache.update` writes the new keys and values into the
+pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
+``cache.update`` and to the attention function): this function then attends straight from the block
+tables, each row to its own real tokens, with no padded copy (`block_attention.attend_from_pool`).
 
-- grouped-query attention through SDPA's ``enable_gqa`` at every step (no ``repeat_kv`` copy of K/V);
-- logit soft-capping (Gemma 2), which SDPA cannot express, by an explicit masked softmax;
-- a clear error for what it cannot do (attention sinks, ``output_attentions``).
+Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its
+kwargs, such as GPT-NeoX) it attends over the dense K/V it is given, with the mask transformers built.
 
-Sliding windows need nothing here: the mask registered beside this function is transformers' own SDPA
-mask, so sliding-window and padding masks arrive ready-made.
+Either way it adds, over the stock ``sdpa`` path:
+
+- grouped-query attention without ``repeat_kv`` copies of K/V;
+- logit soft-capping (Gemma 2) and attention sinks (gpt-oss ``s_aux``), which SDPA cannot express, by an
+  explicit softmax;
+- a clear error for what it cannot do (``output_attentions``, ``position_bias``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .block_attention import PAGED_INPUTS, attend_from_pool, explicit_attention
 
 ATTENTION_NAME = "paged_sdpa"
 
@@ -34,22 +39,28 @@ def paged_sdpa_attention(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention over K/V gathered from a paged cache.
+    """Scaled dot-product attention for a paged cache: from the pool when it can, else over dense K/V.
 
     Args:
         query: ``[B, Hq, q, D]``.
-        key, value: ``[B, Hkv, kv, D]`` (``Hq`` a multiple of ``Hkv``).
+        key, value: ``[B, Hkv, kv, D]`` (``Hq`` a multiple of ``Hkv``); unused when `kwargs` carries
+            ``paged_attention_inputs``.
         attention_mask: ``[B, 1, q, kv]`` bool (True = attend) or additive float mask, or None for causal.
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` before masking.
+        kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`).
     Returns:
         ``([B, q, Hq, D], None)``, the layout transformers' attention modules expect.
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{ATTENTION_NAME} does not support attention sinks (s_aux); use 'eager'")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{ATTENTION_NAME} cannot return attention weights; use 'eager' for them")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(f"{ATTENTION_NAME} does not support position_bias; use 'sdpa' or 'eager'")
+    sinks = kwargs.get("s_aux")
+    dropout = dropout if module.training else 0.0
+    paged = kwargs.get(PAGED_INPUTS)
+    if paged is not None:
+        return attend_from_pool(query, paged, scaling, softcap, sinks, dropout), None
+
     q_len, kv_len = query.shape[2], key.shape[2]
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{query.shape[1]} query heads cannot share {key.shape[1]} key/value heads")
@@ -59,9 +70,7 @@ def paged_sdpa_attention(
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)
-    dropout = dropout if module.training else 0.0
-
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             query,
             key,
@@ -72,33 +81,13 @@ def paged_sdpa_attention(
             enable_gqa=query.shape[1] != key.shape[1],
         )  # [B, Hq, q, D]
     else:
-        out = _softcapped_attention(query, key, value, attention_mask, dropout, scaling, softcap)
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)  # [B, Hq, kv, D]
+        value = value.repeat_interleave(groups, dim=1)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        sink_logits = None if sinks is None else sinks.view(1, -1, 1, 1).expand(query.shape[0], -1, q_len, 1)
+        out = explicit_attention(query, key, value, attention_mask, scale, softcap, sink_logits, dropout)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _softcapped_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    softcap: float,
-) -> torch.Tensor:
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)  # [B, Hq, kv, D]
-    value = value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale  # [B, Hq, q, kv]
-    scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=dropout > 0)
-    return torch.matmul(weights, value)  # [B, Hq, q, D]
 
 
 def set_paged_attention(model: PreTrainedModel) -> None:

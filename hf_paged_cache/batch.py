@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .attention import ATTENTION_NAME
 from .block_table import BlockTables, slots_for_positions
 from .inputs import PendingInputs
 from .kv_pool import KVPool
@@ -45,7 +46,7 @@ class PagedBatch:
         """Plan a forward of `batch_size` x `query_length` new tokens after `past_length` positions."""
         undo = StepUndo(self.tables.savepoint(), self.is_real)
         rows = self.tables.batch_size
-        new_real, new_ids, positions = self.pending.take(batch_size, query_length)  # [B, q] each, or None
+        new_real, new_ids, positions, attention = self.pending.take(batch_size, query_length)  # [B, q] or None
         if rows == 0 and past_length == 0:
             self.tables.add_rows(batch_size)
             self.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
@@ -68,6 +69,7 @@ class PagedBatch:
         if new_real is None:
             new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
         self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
+        step.from_pool = attention == ATTENTION_NAME
         self.step = step
         return step
 

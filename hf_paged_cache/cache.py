@@ -9,6 +9,7 @@ import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 
 from .batch import PagedBatch
+from .block_attention import PAGED_INPUTS, PagedAttentionInputs
 from .block_table import BlockTables
 from .inputs import install_input_hook, prefix_root
 from .kv_pool import KVPool
@@ -108,6 +109,8 @@ class PagedCache(Cache):
                 f"{step.batch_size} x {step.query_length}"
             )
         needs_grad = _needs_grad(key_states, value_states, step.past_length)
+        attention_kwargs = kwargs.get("kwargs")  # the dict transformers also hands the attention function
+        from_pool = step.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
         index = self.batch.index(key_states.device)
         offset = layer.window_offset()  # before this step's tokens count, as `get_mask_sizes` saw it
         with self.pool.storage_lock.shared():  # another thread's step may grow the pool's tensors in place
@@ -115,6 +118,14 @@ class PagedCache(Cache):
             write_new_tokens(values, value_states, index)
             if needs_grad:
                 result = key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
+            elif from_pool:
+                # paged_sdpa reads each row's real keys from the pool; what update returns goes unused
+                attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
+                    keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1]), keys.shape[1],
+                    index.row_keys(offset, keys.shape[1]), index.queries(),
+                    layer.sliding_window, self.pool.storage_lock,
+                )
+                result = key_states, value_states
             else:
                 rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], keys and values alike
                 result = gather(keys, rows), gather(values, rows)  # copies: safe once the lock is let go
@@ -137,6 +148,7 @@ class PagedCache(Cache):
         attention_mask: torch.Tensor | None,
         query_length: int,
         position_ids: torch.Tensor | None = None,
+        attention: str | None = None,
     ) -> None:
         """Tell the cache the next forward's token ids and which of its `query_length` tokens are padding.
 
@@ -144,10 +156,12 @@ class PagedCache(Cache):
         before each forward if you built the cache from a config. `attention_mask` is the usual 2D
         ``[B, past + q]`` mask; anything else means "no padding" (padding is then stored, which changes
         memory, never results). Token ids (with `position_ids` when the forward gets them) let full blocks
-        be found again by prefix (`reuse_prefix`). A step left unfinished by a failed forward is rolled back.
+        be found again by prefix (`reuse_prefix`). When `attention` is ``"paged_sdpa"``, attention reads the
+        keys and values straight from the pool (no dense copy). A step left unfinished by a failed forward
+        is rolled back.
         """
         self._settle()
-        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids)
+        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention)
 
     # ------------------------------------------------------------------ the Cache contract
 

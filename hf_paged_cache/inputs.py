@@ -32,6 +32,7 @@ class InputObserver(Protocol):
         attention_mask: torch.Tensor | None,
         query_length: int,
         position_ids: torch.Tensor | None = None,
+        attention: str | None = None,
     ) -> None: ...
 
 
@@ -42,6 +43,7 @@ class PendingInputs:
         self.mask: torch.Tensor | None = None  # [B, q] True for real new tokens
         self.ids: torch.Tensor | None = None  # [B, q] the new tokens' ids
         self.positions: torch.Tensor | None = None  # [B or 1, q] their position ids, if the forward got any
+        self.attention: str | None = None  # the model's attention implementation for this forward
 
     def observe(
         self,
@@ -49,10 +51,12 @@ class PendingInputs:
         attention_mask: torch.Tensor | None,
         query_length: int,
         position_ids: torch.Tensor | None = None,
+        attention: str | None = None,
     ) -> None:
         """Keep the last `query_length` columns of a 2-D ``[B, past + q]`` mask, 2-D `input_ids` and positions.
 
-        Anything else means "no padding", "ids unknown" and "default positions".
+        Anything else means "no padding", "ids unknown" and "default positions". `attention` names the
+        model's attention implementation (None when unknown).
         """
         self.mask = None
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
@@ -60,25 +64,26 @@ class PendingInputs:
                 self.mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
         self.ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
         self.positions = position_ids if isinstance(position_ids, torch.Tensor) else None
+        self.attention = attention
 
     def take(
         self, batch_size: int, query_length: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(new_real, new_ids, positions)`` for a forward of this shape, then forget them.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, str | None]:
+        """``(new_real, new_ids, positions, attention)`` for a forward of this shape, then forget them.
 
         Each is None when unknown or when it does not match the forward's shape; `new_real` is also None
         when the mask shows no padding.
         """
-        mask, ids, positions = self.mask, self.ids, self.positions
+        mask, ids, positions, attention = self.mask, self.ids, self.positions, self.attention
         self.clear()
         if mask is not None and (mask.shape != (batch_size, query_length) or bool(mask.all())):
             mask = None
         if ids is not None and ids.shape != (batch_size, query_length):
             ids = None
-        return mask, ids, positions
+        return mask, ids, positions, attention
 
     def clear(self) -> None:
-        self.mask = self.ids = self.positions = None
+        self.mask = self.ids = self.positions = self.attention = None
 
 
 def install_input_hook(model: PreTrainedModel) -> None:
@@ -125,6 +130,9 @@ def _input_hook(model: PreTrainedModel):
         if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
             target.observe_inputs(None, None, 0)  # the model itself raises on inputs it cannot take
             return
-        target.observe_inputs(input_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"))
+        attention = getattr(module.config.get_text_config(decoder=True), "_attn_implementation", None)
+        target.observe_inputs(
+            input_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"), attention
+        )
 
     return hook

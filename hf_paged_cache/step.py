@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_attention import QueryRows, RowKeys
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
 from .kv_pool import KVPool
 
@@ -24,7 +25,11 @@ class StepIndex:
     write_slots: torch.Tensor  # [N] pool slot of each stored new token
     write_rows: torch.Tensor | None  # [N] index into the flattened [B * q] new tokens; None = all of them
     read_slots: torch.Tensor  # [B, L + q] pool slot of every position (padding -> null block)
+    is_real: torch.Tensor  # [B, L + q] False where a position is padding
+    past_length: int  # L: positions before this step's
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
+    _row_keys: dict[tuple[int, int], RowKeys] = field(default_factory=dict)  # row_keys, per (offset, heads)
+    _queries: QueryRows | None = None
 
     def read_rows(self, offset: int, num_heads: int) -> torch.Tensor:
         """``[B, H, kv_length]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:``.
@@ -36,6 +41,47 @@ class StepIndex:
         if rows is None:
             rows = self._rows[(offset, num_heads)] = head_major_rows(self.read_slots[:, offset:], num_heads)
         return rows
+
+    def row_keys(self, offset: int, num_heads: int) -> RowKeys:
+        """Each row's real keys from position `offset` on, as storage rows and positions (no padding).
+
+        Computed once per step for all layers alike, with one nonzero and one split for the whole batch.
+        """
+        keys = self._row_keys.get((offset, num_heads))
+        if keys is None:
+            real = self.is_real[:, offset:]  # [B, kv]
+            counts = real.sum(dim=1).tolist()  # n_b per row
+            positions = real.nonzero()[:, 1] + offset  # [N] row-major, so rows come in order
+            rows = head_major_rows(self.read_slots[:, offset:][real].unsqueeze(0), num_heads)[0]  # [H, N]
+            flat, spans, start = positions.tolist(), [], 0
+            for count in counts:
+                spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
+                start += count
+            keys = self._row_keys[(offset, num_heads)] = RowKeys(
+                rows=[r.reshape(-1) for r in rows.split(counts, dim=1)],  # per row [H * n_b], head-major
+                positions=list(positions.split(counts)),
+                spans=spans,
+            )
+        return keys
+
+    def queries(self) -> QueryRows:
+        """The step's new tokens per row: positions, the indices of the real ones, their first and last."""
+        if self._queries is None:
+            new_real = self.is_real[:, self.past_length :]  # [B, q]
+            positions = torch.arange(self.past_length, self.is_real.shape[1], device=self.is_real.device)  # [q]
+            picked: list[torch.Tensor | None] = []
+            spans: list[tuple[int, int] | None] = []
+            for row, full in zip(new_real, new_real.all(dim=1).tolist()):
+                if full:
+                    picked.append(None)
+                    spans.append((self.past_length, self.is_real.shape[1] - 1))
+                    continue
+                index = row.nonzero().squeeze(1)  # [q'] this row's real new tokens
+                picked.append(index)
+                past = self.past_length
+                spans.append((past + int(index[0]), past + int(index[-1])) if len(index) else None)
+            self._queries = QueryRows(positions, picked, spans)
+        return self._queries
 
 
 def head_major_rows(slots: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -60,6 +106,7 @@ class Step:
     past_length: int
     all_real: bool  # no padding among the new tokens
     undo: StepUndo
+    from_pool: bool = False  # attention (paged_sdpa) reads K/V straight from the pool: no dense gather
     layers_done: int = 0
     index: dict[torch.device, StepIndex] = field(default_factory=dict)
 
@@ -159,7 +206,7 @@ def build_index(
         else:
             write_slots = read_slots[:, step.past_length :][new_real]  # [N]
             write_rows = new_real.reshape(-1).nonzero().squeeze(1)  # [N]
-        index = step.index[device] = StepIndex(write_slots, write_rows, read_slots)
+        index = step.index[device] = StepIndex(write_slots, write_rows, read_slots, is_real, step.past_length)
     return index
 
 

@@ -12,9 +12,10 @@ from tiny_models import VOCAB, ragged_batch, tiny_model, tiny_tokenizer
 PADS = [0, 4, 9]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
+@pytest.fixture(scope="module", params=["sdpa", "paged_sdpa"])
+def model(request):
+    """The tiny Llama with stock SDPA (dense K/V from the cache) and with paged_sdpa (K/V read from the pool)."""
+    return tiny_model("llama", attn_implementation=request.param)
 
 
 def run_both(model, seed=0, batch=None, **kwargs):

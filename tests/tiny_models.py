@@ -32,6 +32,15 @@ TINY_CONFIGS: dict[str, dict] = {
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64),
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    # attention sinks (s_aux), mixture of experts, sliding and full layers; YaRN scaled to the tiny context
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=12, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 8,
+                                     "rope_theta": 150000.0}),
+    "cohere2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
 }
 
 

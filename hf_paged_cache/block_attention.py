@@ -1,0 +1,161 @@
+"""Attention straight from the block pool: each row attends to its own real tokens, with no padded copy.
+
+The dense path gathers a padded ``[B, heads, kv_length, dim]`` copy of every row's history for every layer
+and then computes attention over the padding too. Here `PagedCache.update` writes the new keys and values
+into the pool and leaves a `PagedAttentionInputs` in the attention kwargs instead (transformers passes the
+same dict to ``cache.update`` and to the attention function); `attend_from_pool` then reads, for each row,
+the keys and values of its real tokens only (one gather each, head-major so SDPA gets contiguous heads) and
+runs SDPA on them, with the grouped query heads folded into the query rows of their key/value head.
+
+Masks are built from logical positions, as transformers builds its own: a query at position ``p`` sees the
+stored keys at positions ``k <= p`` (causal) and, on a sliding layer of window ``W``, ``k > p - W``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .locks import SharedExclusiveLock
+
+PAGED_INPUTS = "paged_attention_inputs"
+"""The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
+
+
+@dataclass
+class RowKeys:
+    """Where each row's keys for one window offset live in a layer's flat ``[slots * H, D]`` storage."""
+
+    rows: list[torch.Tensor]  # per row b: [H * n_b] storage rows (slot * H + head) of its real keys, head-major
+    positions: list[torch.Tensor]  # per row b: [n_b] their logical positions
+    spans: list[tuple[int, int]]  # per row b: its first and last key position (n_b >= 1 for a row with queries)
+
+
+@dataclass
+class QueryRows:
+    """The step's new tokens (queries) of each row: which are real, and where they sit."""
+
+    positions: torch.Tensor  # [q] logical positions of the new tokens (the same for every row)
+    picked: list[torch.Tensor | None]  # per row: indices of its real new tokens; None = all of them
+    spans: list[tuple[int, int] | None]  # per row: first and last real query position; None = all padding
+
+
+@dataclass
+class PagedAttentionInputs:
+    """What `paged_sdpa` needs to attend to one layer's keys and values in the pool."""
+
+    keys: torch.Tensor  # [slots * H, key_dim] the layer's flat key storage
+    values: torch.Tensor  # [slots * H, value_dim]
+    num_kv_heads: int
+    row_keys: RowKeys
+    queries: QueryRows
+    window: int | None  # the layer's sliding window
+    lock: SharedExclusiveLock  # held while reading the storage (another thread may grow it)
+
+
+def attend_from_pool(
+    query: torch.Tensor,
+    inputs: PagedAttentionInputs,
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
+
+    Padding queries (new tokens that are padding) are not computed: their output is zero.
+    """
+    batch_size, query_heads, query_length, _ = query.shape
+    heads = inputs.num_kv_heads
+    groups = query_heads // heads
+    key_dim, value_dim = inputs.keys.shape[-1], inputs.values.shape[-1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    row_sinks = None if sinks is None else sinks.view(1, heads, groups, 1)  # [1, H, g, 1]
+    outs = []
+    with inputs.lock.shared():
+        for b in range(batch_size):
+            picked, query_span = inputs.queries.picked[b], inputs.queries.spans[b]
+            if query_span is None:  # this chunk of the row is all padding (chunked prefill): nothing to compute
+                outs.append(query.new_zeros(1, query_heads, query_length, value_dim))
+                continue
+            rows = inputs.row_keys.rows[b]  # [H * n] head-major storage rows
+            keys = inputs.keys.index_select(0, rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
+            values = inputs.values.index_select(0, rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+            row_query = query[b : b + 1] if picked is None else query[b : b + 1].index_select(2, picked)
+            q_len = row_query.shape[2]  # row_query: [1, Hq, q', D]
+            mask = _row_mask(inputs, b, picked, query_span)  # [q', n] or None
+            # [1, H, g * q', D]: query head kv * g + j reads key/value head kv; 4-D takes SDPA's fused CPU kernel
+            row_query = row_query.reshape(1, heads, groups * q_len, key_dim)
+            if mask is not None:
+                mask = mask.repeat(groups, 1)  # [g * q', n]
+            if softcap is None and row_sinks is None:
+                row_out = F.scaled_dot_product_attention(
+                    row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale
+                )  # [1, H, g * q', Dv]
+            else:
+                sink_logits = None if row_sinks is None else row_sinks.expand(-1, -1, -1, q_len).reshape(
+                    1, heads, groups * q_len, 1
+                )
+                row_out = explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
+            row_out = row_out.view(1, query_heads, q_len, value_dim)  # [1, Hq, q', Dv]
+            if picked is not None:  # padding queries get zeros
+                row_out = query.new_zeros(1, query_heads, query_length, value_dim).index_copy_(2, picked, row_out)
+            outs.append(row_out)
+    return torch.cat(outs).transpose(1, 2).contiguous()  # [B, q, Hq, Dv]
+
+
+def _row_mask(
+    inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int]
+) -> torch.Tensor | None:
+    """``[q', n]`` True where a query of `row` may see a key (causal, within the window); None when all may."""
+    first_key, last_key = inputs.row_keys.spans[row]
+    first_query, last_query = query_span
+    window = inputs.window
+    if last_key <= first_query and (window is None or first_key > last_query - window):
+        return None  # every query sees every key (decode, or a chunk with nothing ahead of it)
+    key_positions = inputs.row_keys.positions[row].unsqueeze(0)  # [1, n]
+    query_positions = inputs.queries.positions if picked is None else inputs.queries.positions[picked]
+    query_positions = query_positions.unsqueeze(1)  # [q', 1]
+    mask = key_positions <= query_positions  # [q', n]
+    if window is not None:
+        mask &= key_positions > query_positions - window
+    return mask
+
+
+def explicit_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Softmax attention written out, for what SDPA cannot do: logit soft-capping and attention sinks.
+
+    Args:
+        query: ``[..., q, D]``; key, value: ``[..., n, D]`` (the same leading dims, or broadcastable).
+        mask: bool (True = attend) or additive float, broadcastable to ``[..., q, n]``; None for none.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before masking.
+        sinks: ``[..., q, 1]`` logits of a sink column every query attends to but reads nothing from
+            (gpt-oss's ``s_aux``), as transformers' eager gpt-oss attention computes it.
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [..., q, n]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=dropout > 0).to(value.dtype)
+    return torch.matmul(weights, value)

@@ -1,0 +1,76 @@
+"""paged_sdpa attends straight from the block tables: no dense gather, every real position exact."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged_cache.cache as cache_module
+from hf_paged_cache import PagedCache, set_paged_attention
+from tiny_models import ragged_batch, tiny_model
+
+
+def count_dense_gathers(monkeypatch):
+    calls = []
+    original = cache_module.gather
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(cache_module, "gather", counting)
+    return calls
+
+
+@pytest.mark.parametrize("attention, gathers", [("paged_sdpa", False), ("sdpa", True)])
+def test_paged_sdpa_skips_the_dense_gather(monkeypatch, attention, gathers):
+    model = tiny_model("llama", attn_implementation=attention)
+    calls = count_dense_gathers(monkeypatch)
+    with PagedCache(model, num_blocks=32) as cache:
+        model.generate(**ragged_batch([0, 5], 20), cache=cache, max_new_tokens=5, do_sample=False)
+    assert bool(calls) == gathers
+
+
+def test_models_that_keep_their_kwargs_from_update_use_the_dense_path(monkeypatch):
+    model = tiny_model("gpt_neox")  # calls cache.update without the attention kwargs
+    set_paged_attention(model)
+    calls = count_dense_gathers(monkeypatch)
+    batch = ragged_batch([0, 5], 20)
+    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=5, do_sample=False)
+    with PagedCache(model, num_blocks=32) as cache:
+        paged = model.generate(**batch, cache=cache, max_new_tokens=5, do_sample=False)
+    assert calls and torch.equal(paged, reference)
+
+
+def test_config_built_cache_uses_the_dense_path(monkeypatch):
+    model = tiny_model("llama", attn_implementation="paged_sdpa")
+    calls = count_dense_gathers(monkeypatch)
+    with PagedCache(model.config, num_blocks=32) as cache, torch.no_grad():
+        model(**ragged_batch([0, 0], 8), cache=cache, use_cache=True)
+    assert calls
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
+def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_real_position(model_type):
+    # windows of 12 slide across 16-token chunks; left padding of 0, 7 and 21 tokens (21 spans a whole chunk)
+    model = tiny_model(model_type)
+    set_paged_attention(model)
+    batch = ragged_batch([0, 7, 21], 48, seed=2)
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        reference = model(**batch, position_ids=positions).logits  # [B, T, V]
+        chunks = []
+        with PagedCache(model, num_blocks=32) as cache:
+            for start in range(0, 48, 16):
+                chunks.append(
+                    model(
+                        input_ids=batch["input_ids"][:, start : start + 16],
+                        attention_mask=mask[:, : start + 16],
+                        position_ids=positions[:, start : start + 16],
+                        cache=cache,
+                        use_cache=True,
+                    ).logits
+                )
+    paged = torch.cat(chunks, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
