@@ -69,7 +69,8 @@ class PagedBatch:
         if new_real is None:
             new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
         self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
-        step.from_pool = attention == ATTENTION_NAME
+        # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
+        step.from_pool = attention == ATTENTION_NAME and not self.pool.layout.latent
         self.step = step
         return step
 

@@ -85,6 +85,13 @@ def attend_from_pool(
             values = inputs.values.index_select(0, rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
             row_query = query[b : b + 1] if picked is None else query[b : b + 1].index_select(2, picked)
             q_len = row_query.shape[2]  # row_query: [1, Hq, q', D]
+            if softcap is None and row_sinks is None and _plain_causal(inputs, b, q_len, query_span):
+                # the row's keys are exactly its queries (a prefill from empty): SDPA's own causal kernel
+                row_out = F.scaled_dot_product_attention(
+                    row_query, keys, values, is_causal=True, dropout_p=dropout, scale=scale, enable_gqa=groups > 1
+                )  # [1, Hq, q', Dv]
+                outs.append(_place(row_out, picked, query, query_length))
+                continue
             mask = _row_mask(inputs, b, picked, query_span)  # [q', n] or None
             # [1, H, g * q', D]: query head kv * g + j reads key/value head kv; 4-D takes SDPA's fused CPU kernel
             row_query = row_query.reshape(1, heads, groups * q_len, key_dim)
@@ -99,11 +106,25 @@ def attend_from_pool(
                     1, heads, groups * q_len, 1
                 )
                 row_out = explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
-            row_out = row_out.view(1, query_heads, q_len, value_dim)  # [1, Hq, q', Dv]
-            if picked is not None:  # padding queries get zeros
-                row_out = query.new_zeros(1, query_heads, query_length, value_dim).index_copy_(2, picked, row_out)
-            outs.append(row_out)
+            outs.append(_place(row_out.view(1, query_heads, q_len, value_dim), picked, query, query_length))
     return torch.cat(outs).transpose(1, 2).contiguous()  # [B, q, Hq, Dv]
+
+
+def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tensor, query_length: int) -> torch.Tensor:
+    """``[1, Hq, q, Dv]``: a row's outputs ``[1, Hq, q', Dv]`` at its real queries, zeros at its padding."""
+    if picked is None:
+        return row_out
+    full = query.new_zeros(1, row_out.shape[1], query_length, row_out.shape[-1])
+    return full.index_copy_(2, picked, row_out)
+
+
+def _plain_causal(inputs: PagedAttentionInputs, row: int, q_len: int, query_span: tuple[int, int]) -> bool:
+    """Whether `row`'s keys are exactly its queries' positions, all inside the window (then causal = SDPA's)."""
+    first_key, last_key = inputs.row_keys.spans[row]
+    num_keys = inputs.row_keys.positions[row].shape[0]
+    # its keys include every real query (stored before attention); as many keys as queries: the same positions
+    in_window = inputs.window is None or last_key - first_key < inputs.window
+    return num_keys == q_len and q_len > 1 and (first_key, last_key) == query_span and in_window
 
 
 def _row_mask(

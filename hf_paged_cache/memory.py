@@ -76,6 +76,7 @@ class KVLayout:
     """The per-layer K/V shapes of a model, read from its config."""
 
     layers: tuple[LayerShape, ...]
+    latent: bool = False  # the cache holds a compressed latent that attention expands after `update` (MLA)
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig) -> KVLayout:
@@ -92,7 +93,7 @@ class KVLayout:
                 kv_heads = text.num_kv_heads
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
             shape = LayerShape(kv_heads, head_dim, head_dim)
-        return cls(layers=(shape,) * num_layers)
+        return cls(layers=(shape,) * num_layers, latent=bool(getattr(text, "kv_lora_rank", None)))
 
     @property
     def num_layers(self) -> int:

@@ -74,3 +74,14 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     paged = torch.cat(chunks, dim=1)
     real = mask.bool()
     torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
+
+
+def test_latent_caches_keep_the_dense_path_under_paged_sdpa(monkeypatch):
+    model = tiny_model("deepseek_v3")  # MLA: attention expands the cached latent after update
+    set_paged_attention(model)
+    calls = count_dense_gathers(monkeypatch)
+    batch = ragged_batch([0, 5], 20)
+    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=5, do_sample=False)
+    with PagedCache(model, num_blocks=32) as cache:
+        paged = model.generate(**batch, cache=cache, max_new_tokens=5, do_sample=False)
+    assert calls and torch.equal(paged, reference)

@@ -39,6 +39,11 @@ TINY_CONFIGS: dict[str, dict] = {
                     rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 8,
                                      "rope_theta": 150000.0}),
+    # multi-head latent attention: the cache holds a compressed latent that attention expands after update
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
     "cohere2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
 }
