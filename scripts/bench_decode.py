@@ -31,15 +31,18 @@ reported. Memory: ``torch.cuda.max_memory_allocated`` on CUDA; on every device t
 sampled after every step (Dynamic: its tensor bytes; Paged: blocks in use x bytes per block), and for
 Paged the pool's allocated bytes (sized to an upper bound of what the scenario needs).
 
-Commands (the CPU runs reported in the README, split so that each takes under ~6 minutes; on a GPU drop
-the size flags to get the defaults: batch sizes 1,8,32, prompts up to 1024, 128 new tokens)::
+``--prompt-lens`` pins the greedy batch to exact prompt lengths instead (e.g. 8 rows of 60 to 1,000
+tokens), so that a batch's raggedness is chosen, not drawn.
 
-    python scripts/bench_decode.py --threads 1 --batch-sizes 1,4 --max-prompt 256 --new-tokens 64 \
-        --modes greedy --out results/bench_decode_greedy_b1_b4.json
-    python scripts/bench_decode.py --threads 1 --batch-sizes 16 --max-prompt 256 --new-tokens 32 \
-        --modes greedy --out results/bench_decode_greedy_b16.json
-    python scripts/bench_decode.py --threads 1 --max-prompt 256 --new-tokens 32 --modes beam,sample \
-        --beam-batch-size 2 --sample-batch-size 1 --out results/bench_decode_beam_sample.json
+Commands (the CPU runs reported in the README; on a GPU drop the size flags to get the defaults: batch
+sizes 1,8,32, prompts up to 1024, 128 new tokens)::
+
+    python scripts/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
+        --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t1.json
+    python scripts/bench_decode.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
+        --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t2.json
+    python scripts/bench_decode.py --threads 1 --prompt-lens 512 --new-tokens 64 --modes greedy \
+        --out results/bench_decode_b1_512.json
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from hf_paged_cache.bench import (
     Workload,
     add_common_args,
     cache_tensor_bytes,
+    fixed_length_workload,
     format_table,
     left_pad,
     load,
@@ -101,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_decode.json")
     parser.add_argument("--batch-sizes", default="1,8,32", help="greedy batch sizes (default: 1,8,32)")
+    parser.add_argument(
+        "--prompt-lens", default=None,
+        help="exact prompt lengths of one greedy batch, e.g. 60,200,1000, instead of --batch-sizes and the "
+        "ShareGPT draw (default: none)",
+    )
     parser.add_argument("--max-prompt", type=int, default=1024, help="cap on prompt lengths (default: 1024)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: 128)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per scenario (default: 3)")
@@ -120,6 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = parse_list(args.modes)
     args.variants = parse_list(args.variants)
     args.batch_sizes = parse_list(args.batch_sizes, int)
+    args.prompt_lens = parse_list(args.prompt_lens, int) if args.prompt_lens else None
+    if args.prompt_lens:
+        args.batch_sizes = [len(args.prompt_lens)]
     for mode in args.modes:
         if mode not in MODES:
             parser.error(f"unknown mode {mode!r}; choose from {MODES}")
@@ -313,13 +325,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
     plan = scenarios(args)
     largest = max(s.batch_size for s in plan)
-    workload = sharegpt_workload(
-        largest,
-        seed=args.seed,
-        max_prompt=min(args.max_prompt, context - args.new_tokens),
-        max_output=args.new_tokens,
-        token_range=prompt_token_range(model, tokenizer),
-    )
+    if args.prompt_lens:
+        token_range = prompt_token_range(model, tokenizer)
+        workload = fixed_length_workload(
+            args.prompt_lens, seed=args.seed, output_len=args.new_tokens, token_range=token_range
+        )
+    else:
+        workload = sharegpt_workload(
+            largest,
+            seed=args.seed,
+            max_prompt=min(args.max_prompt, context - args.new_tokens),
+            max_output=args.new_tokens,
+            token_range=prompt_token_range(model, tokenizer),
+        )
     results = [run_scenario(model, s, workload, pad_id, args) for s in tqdm(plan, desc="scenarios", unit="scenario")]
     payload: dict[str, Any] = {
         "benchmark": "decode",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -24,8 +25,14 @@ import transformers
 
 import hf_paged_cache
 from hf_paged_cache.eval.corpora import load_corpus_text
+from hf_paged_cache.eval.perplexity import (
+    CACHE_MODES,
+    CacheMode,
+    encode_corpus,
+    score_windows,
+    strided_windows,
+)
 from hf_paged_cache.models.default_model import load_model_and_tokenizer
-from hf_paged_cache.eval.perplexity import CACHE_MODES, CacheMode, encode_corpus, score_windows, strided_windows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="use only the first N corpus tokens (default: all)",
     )
     parser.add_argument("--compare", action="store_true", help="run 'paged' and 'none' and report the difference")
+    parser.add_argument(
+        "--caches", default=None,
+        help="comma-separated caches to run in turn in this process, e.g. dynamic,paged; overrides --cache and "
+        "--compare (default: none)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="rounds over the caches (alternated: A, B, A, B, ...); times are medians (default: 1)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--attn-implementation", choices=["sdpa", "eager", "paged_sdpa"], default=None,
+        help="attention of the paged runs: paged_sdpa reads keys and values straight from a PagedCache's "
+        "blocks; dynamic and none runs keep the model's own (default: the model's own)",
+    )
     return parser
 
 
@@ -81,18 +102,37 @@ def format_table(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _use_attention(model: torch.nn.Module, attention: str | None, own: str) -> None:
+    """Switch `model` to `attention` (``paged_sdpa`` through `set_paged_attention`), or back to `own`."""
+    wanted = attention or own
+    if model.config._attn_implementation == wanted:
+        return
+    if wanted == hf_paged_cache.ATTENTION_NAME:
+        hf_paged_cache.set_paged_attention(model)
+    else:
+        model.set_attn_implementation(wanted)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the evaluation described by `argv` (default: ``sys.argv``); print a table and return the results."""
     args = build_parser().parse_args(argv)
     chunk_size = args.chunk_size or None
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
+    own_attention = model.config._attn_implementation
     corpus = load_corpus_text(args.corpus, split=args.split)
     ids = encode_corpus(tokenizer, corpus.text, args.max_tokens)  # [N]
     windows = strided_windows(ids, args.max_length, args.stride)
     modes: list[CacheMode] = ["paged", "none"] if args.compare else [cast(CacheMode, args.cache)]
+    if args.caches:
+        modes = [cast(CacheMode, m) for m in args.caches.split(",") if m]
+        unknown = sorted(set(modes) - set(CACHE_MODES))
+        if unknown:
+            raise SystemExit(f"unknown caches {unknown}; choose from {CACHE_MODES}")
 
     runs: dict[str, dict[str, Any]] = {}
-    for mode in modes:
+    timings: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    for mode in [m for _ in range(max(args.repeats, 1)) for m in modes]:
+        _use_attention(model, args.attn_implementation if mode == "paged" else None, own_attention)
         result = score_windows(
             model,
             windows,
@@ -104,6 +144,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             progress=not args.no_progress,
         )
         runs[mode] = result.to_dict()
+        timings[mode].append((result.seconds, result.cpu_seconds))
+    for mode, times in timings.items():  # medians over the repeats
+        runs[mode]["seconds"] = statistics.median(t for t, _ in times)
+        runs[mode]["cpu_seconds"] = statistics.median(c for _, c in times)
+        runs[mode]["cpu_seconds_runs"] = [c for _, c in times]
+        paged_attention = args.attn_implementation if mode == "paged" else None
+        runs[mode]["attn_implementation"] = paged_attention or own_attention
 
     results: dict[str, Any] = {
         "model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -117,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "block_size": args.block_size,
             "dtype": args.dtype,
             "device": args.device,
+            "attn_implementation": model.config._attn_implementation,
             "max_tokens": args.max_tokens,
             "averaging": "token-weighted: sum of NLL over counted tokens / counted tokens",
         },

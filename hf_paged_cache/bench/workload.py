@@ -175,6 +175,18 @@ def sharegpt_workload(
     return Workload(tuple(requests), seed, max_prompt, max_output)
 
 
+def fixed_length_workload(
+    prompt_lens: Sequence[int], *, seed: int = 0, output_len: int, token_range: tuple[int, int]
+) -> Workload:
+    """Requests with exactly these prompt lengths (random tokens, seeded as `sharegpt_workload`'s)."""
+    low, high = token_range
+    requests = []
+    for i, prompt_len in enumerate(prompt_lens):
+        tokens = random.Random(f"{seed}/{i}")
+        requests.append(Request(tuple(tokens.randrange(low, high) for _ in range(prompt_len)), output_len))
+    return Workload(tuple(requests), seed, max(prompt_lens), output_len)
+
+
 def prompt_token_range(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
     """``[low, high)`` ids for random prompts: above every special token, inside both vocabularies."""
     high = min(len(tokenizer), model.config.get_text_config(decoder=True).vocab_size)
