@@ -21,7 +21,7 @@ import torch
 
 from hf_paged_cache import KVPool, PagedCache
 from hf_paged_cache.bench import FirstTokenTimer
-from hf_paged_cache.models.default_model import load_model_and_tokenizer
+from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
 SYSTEM = (
     "You are a patient assistant for a small bakery. You know its opening hours (8am to 6pm, closed on "
@@ -55,12 +55,7 @@ def run_turn(model, input_ids: torch.Tensor, pool: KVPool, *, reuse: bool, max_n
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="model and cache dtype (default: float32)",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--turns", type=int, default=len(USER_TURNS), help="user turns to run (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens per answer (default: 40)")
     parser.add_argument("--num-blocks", type=int, default=512, help="blocks in each of the two pools (default: 512)")

@@ -22,8 +22,8 @@ import torch
 import transformers
 
 import hf_paged_cache
-from hf_paged_cache.models.default_model import load_model_and_tokenizer
 from hf_paged_cache.eval.generation import compare_generation, encode_prompts
+from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "eval_prompts.jsonl"
 
@@ -47,12 +47,7 @@ def read_prompts(path: Path) -> list[dict[str, str]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="model and cache dtype (default: float32)",
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--prompts", type=Path, default=DEFAULT_PROMPTS,
         help="JSONL file of prompts (default: scripts/data/eval_prompts.jsonl)",

@@ -32,18 +32,13 @@ from hf_paged_cache.eval.perplexity import (
     score_windows,
     strided_windows,
 )
-from hf_paged_cache.models.default_model import load_model_and_tokenizer
+from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="model and cache dtype (default: float32)",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--max-length", type=int, default=512, help="window length in tokens (default: 512)")
     parser.add_argument("--stride", type=int, default=256, help="tokens between window starts (default: 256)")
     parser.add_argument("--batch-size", type=int, default=2, help="windows per left-padded batch (default: 2)")

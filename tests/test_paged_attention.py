@@ -30,8 +30,15 @@ def test_paged_sdpa_skips_the_dense_gather(monkeypatch, attention, gathers):
     assert bool(calls) == gathers
 
 
-def test_models_that_keep_their_kwargs_from_update_use_the_dense_path(monkeypatch):
-    model = tiny_model("gpt_neox")  # calls cache.update without the attention kwargs
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "gpt_neox",  # calls cache.update without the attention kwargs
+        "deepseek_v3",  # MLA: attention expands the cached latent after update
+    ],
+)
+def test_models_that_attention_cannot_serve_from_the_pool_keep_the_dense_path(monkeypatch, model_type):
+    model = tiny_model(model_type)
     set_paged_attention(model)
     calls = count_dense_gathers(monkeypatch)
     batch = ragged_batch([0, 5], 20)
@@ -74,14 +81,3 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     paged = torch.cat(chunks, dim=1)
     real = mask.bool()
     torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
-
-
-def test_latent_caches_keep_the_dense_path_under_paged_sdpa(monkeypatch):
-    model = tiny_model("deepseek_v3")  # MLA: attention expands the cached latent after update
-    set_paged_attention(model)
-    calls = count_dense_gathers(monkeypatch)
-    batch = ragged_batch([0, 5], 20)
-    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=5, do_sample=False)
-    with PagedCache(model, num_blocks=32) as cache:
-        paged = model.generate(**batch, cache=cache, max_new_tokens=5, do_sample=False)
-    assert calls and torch.equal(paged, reference)

@@ -15,15 +15,12 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..models import add_model_arguments, load_model_and_tokenizer
+
 
 def add_common_args(parser: argparse.ArgumentParser, *, out: str) -> None:
     """``--model --device --dtype --threads --seed --out``, shared by every script."""
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="model and cache dtype (default: float32)",
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch.set_num_threads (default: torch's choice); on a shared CPU 1 thread is far less noisy",
@@ -34,8 +31,6 @@ def add_common_args(parser: argparse.ArgumentParser, *, out: str) -> None:
 
 def load(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Apply ``--threads`` and load ``--model`` on ``--device`` / ``--dtype`` (left padding, pad token set)."""
-    from ..models import load_model_and_tokenizer
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
