@@ -21,9 +21,9 @@ id space grows. Resizing frees the old memory, so nobody may touch the tensors m
 that read or write a layer's tensors (`PagedCache`):
 
 1. Hold ``pool.storage_lock.shared()`` for as long as you read or write a layer's tensors (writing the new
-   keys/values, gathering the dense K/V). ``with pool.layer_storage(layer_idx, key_states, value_states) as
-   (keys, values):`` does both: `layer()` (which may create the layer's tensors, under `exclusive()`), then
-   `shared()` for the body. Results of a gather (``index_select``) are copies, safe to use after the block.
+   keys/values, gathering K/V): `PagedCache.update`, `PagedBatch.dense` and `attend_from_pool` do. Call
+   `layer()` (which may create the layer's tensors, under `exclusive()`) before entering `shared()`.
+   Results of a gather (``index_select``) are copies, safe to use after the block.
 2. Do not take blocks (`BlockTables.append`, `plan_step`, `BlockPool.allocate`) and do not call `layer()`
    for a layer without storage while holding `shared()`: both may need `exclusive()`, and the lock refuses
    that upgrade with a `RuntimeError` (rather than deadlock). Taking blocks before or after calling
@@ -164,8 +164,7 @@ class KVPool:
         """This layer's ``[num_blocks * block_size, heads, dim]`` key and value tensors, created on first use.
 
         The tensors are the layer's storage for the pool's life (growth resizes them in place); hold
-        `storage_lock.shared()` while reading or writing them from threads that share the pool, or use
-        `layer_storage`. Creating them takes `storage_lock.exclusive()`: do not call this for a layer without
+        `storage_lock.shared()` while reading or writing them from threads that share the pool. Creating them takes `storage_lock.exclusive()`: do not call this for a layer without
         storage while holding `shared()` (it raises `RuntimeError`).
 
         Raises `ValueError` if the states do not fit the pool (another model's shapes, or another dtype), and
@@ -205,18 +204,6 @@ class KVPool:
                 f"layer {layer_idx} ran on {key_states.device} but its pool storage lives on {keys.device}"
             )
         return keys, self.values[layer_idx]
-
-    @contextmanager
-    def layer_storage(
-        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``with pool.layer_storage(i, k, v) as (keys, values):`` `layer()`, then hold `storage_lock.shared()`.
-
-        Read and write the tensors only inside the block; what a gather returns is a copy, usable after it.
-        """
-        keys, values = self.layer(layer_idx, key_states, value_states)
-        with self.storage_lock.shared():
-            yield keys, values
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each ``(src, dst)`` block in every layer that has storage (copy-on-write, second step).

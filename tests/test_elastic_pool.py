@@ -322,7 +322,7 @@ def test_storage_that_cannot_be_created_raises_with_its_bytes(llama, monkeypatch
 
 
 def test_a_grower_waits_for_a_layer_in_use(llama):
-    """A thread writing through `layer_storage` never loses its write to a concurrent growth."""
+    """A thread writing under `storage_lock.shared()` never loses its write to a concurrent growth."""
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
     [block] = pool.blocks.allocate(1)
@@ -335,7 +335,8 @@ def test_a_grower_waits_for_a_layer_in_use(llama):
 
     thread = threading.Thread(target=grow)
     thread.start()
-    with pool.layer_storage(0, states, states) as (keys, _):
+    keys, _ = pool.layer(0, states, states)
+    with pool.storage_lock.shared():  # what PagedCache.update holds while it writes and gathers
         entered.set()
         assert not grown.wait(timeout=0.2)  # the growth waits for this block to end
         keys[block * 4 : block * 4 + 4] = 3.0
