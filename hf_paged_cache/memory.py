@@ -52,12 +52,13 @@ def parse_memory(value: int | str) -> int:
         ) from None
 
 
-def format_memory(num_bytes: int) -> str:
-    """`num_bytes` for people: ``"512.0 MiB"``, ``"90.9 TiB"``."""
+def format_memory(num_bytes: float, spec: str = ".1f") -> str:
+    """`num_bytes` for people in binary units: ``"512.0 MiB"``, ``"90.9 TiB"``; `spec` formats the number
+    (``".4g"`` gives ``"1.5 KiB"``, ``"24 GiB"``)."""
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:{spec}} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -36,6 +36,7 @@ from .memory import (
     LayerShape,
     blocks_for_tokens,
     bytes_per_block,
+    format_memory,
     parse_memory,
 )
 from .models import DEFAULT_MODEL, resolve_model_path
@@ -300,11 +301,7 @@ def load_config_and_weight_bytes(model: str | None, dtype: str | torch.dtype) ->
 
 def format_bytes(num_bytes: float) -> str:
     """``1536 -> '1.5 KiB'``: binary units, 4 significant digits."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.4g} {unit}"
-        num_bytes /= 1024
-    raise AssertionError("unreachable")
+    return format_memory(num_bytes, ".4g")
 
 
 def format_plan(plan: MemoryPlan) -> str:

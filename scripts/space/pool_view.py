@@ -30,6 +30,7 @@ from hf_paged_cache.bench import (
     used_bytes,
 )
 from hf_paged_cache.block_pool import NULL_BLOCK
+from hf_paged_cache.memory import format_memory
 
 ROW_COLORS: tuple[str, ...] = (
     "#1f77b4",  # blue
@@ -203,12 +204,7 @@ def compare_memory(
 
 def format_bytes(num_bytes: float) -> str:
     """``1536 -> '1.5 KiB'``: binary units, 3 significant digits."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return format_memory(num_bytes, ".3g")
 
 
 def _lighten(color: str, amount: float = 0.7) -> tuple[float, float, float]:
