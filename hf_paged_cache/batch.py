@@ -10,6 +10,7 @@ from .attention import ATTENTION_NAME
 from .block_table import BlockTables, slots_for_positions
 from .inputs import PendingInputs
 from .kv_pool import KVPool
+from .prefix import adopt_longest_prefix
 from .step import (
     Step,
     StepIndex,
@@ -17,7 +18,8 @@ from .step import (
     build_index,
     gather,
     head_major_rows,
-    plan_step,
+    keep_from,
+    plan_group,
     prefix_token_ids,
 )
 
@@ -25,18 +27,34 @@ from .step import (
 class PagedBatch:
     """The rows of one `PagedCache`: their block tables, which logical positions hold real tokens, and the step.
 
-    Every forward is one step: its first layer plans it (`begin`: blocks for the real new tokens, all or
-    nothing), every layer writes and reads through its slot index (`index`), and it is kept (`commit`) once
-    the last layer has written. Until then `rollback` restores the rows, their blocks and reference counts
-    exactly as they were, so a forward that fails at any layer leaves no trace.
+    Each layer group of the pool has its own block tables (`groups`, one row per sequence in each); the
+    padding mask `is_real` is shared, since positions are the same in every layer.
+
+    Every forward is one step: its first layer plans it (`begin`: blocks for the real new tokens in every
+    group, all or nothing), every layer writes and reads through its group's slot index (`index`), and it is
+    kept (`commit`) once the last layer has written. Until then `rollback` restores the rows, their blocks
+    and reference counts exactly as they were, so a forward that fails at any layer leaves no trace.
+
+    When a first forward's rows repeat each other (``generate`` repeats each prompt for
+    ``num_return_sequences`` and ``num_beams``), each distinct row is stored once and its repeats share its
+    blocks. Sliding-window groups keep only what their next queries can see, except while `record_past` is
+    set (transformers sets it before forwards it may `crop`): then steps keep every block and `truncate`
+    trims.
     """
 
     def __init__(self, pool: KVPool, root: bytes | None):
         self.pool = pool
-        self.tables = BlockTables(pool.blocks, root=root)
+        self.groups = [BlockTables(blocks, root=root) for blocks in pool.groups]
+        self.windows = [group.window for group in pool.layer_groups]
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
         self.step: Step | None = None  # the step in progress, if any
         self.pending = PendingInputs()  # the next forward's padding mask, ids and positions
+        self.record_past = False  # sliding groups keep out-of-window blocks until the next `truncate`
+
+    @property
+    def tables(self) -> BlockTables:
+        """The first layer group's block tables (full attention when the model has any)."""
+        return self.groups[0]
 
     @property
     def batch_size(self) -> int:
@@ -44,11 +62,12 @@ class PagedBatch:
 
     def begin(self, past_length: int, batch_size: int, query_length: int, device: torch.device) -> Step:
         """Plan a forward of `batch_size` x `query_length` new tokens after `past_length` positions."""
-        undo = StepUndo(self.tables.savepoint(), self.is_real)
-        rows = self.tables.batch_size
+        undo = StepUndo([tables.savepoint() for tables in self.groups], self.is_real)
+        rows = self.batch_size
         new_real, new_ids, positions, attention = self.pending.take(batch_size, query_length)  # [B, q] or None
+        sources = None  # per row, the first row it repeats (a first forward's repeated prompts)
         if rows == 0 and past_length == 0:
-            self.tables.add_rows(batch_size)
+            sources = _repeats(new_ids, new_real, positions)
             self.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         elif rows and batch_size != rows and batch_size % rows == 0:
             # generate() expands input_ids (num_return_sequences, num_beams) but not a cache passed to it:
@@ -59,34 +78,72 @@ class PagedBatch:
                 f"this cache holds {rows} sequences but the forward has batch size {batch_size}; call "
                 "batch_select_indices() or batch_repeat_interleave() to change the batch, or reset() it"
             )
-        token_ids = prefix_token_ids(self.tables.num_tokens, past_length, new_real, new_ids, positions)
+        real = new_real if new_real is not None else torch.ones(batch_size, query_length, dtype=torch.bool)
+        is_real = torch.cat([self.is_real.to(device), real.to(device)], dim=1)  # [B, L + q]
+        stored = self.tables.num_tokens if rows else [0] * batch_size
+        token_ids = prefix_token_ids(stored, past_length, new_real, new_ids, positions)
+        kept = [None if self.record_past else keep_from(is_real, window) for window in self.windows]
         try:
-            step = plan_step(self.tables, self.pool, past_length, query_length, new_real, token_ids, undo)
+            for group, tables in enumerate(self.groups):
+                self._plan(group, tables, real.sum(dim=1).tolist(), token_ids, kept[group], sources)
         except BaseException:
-            self.tables.rollback(undo.tables)
+            for tables, savepoint in zip(self.groups, undo.tables):
+                tables.rollback(savepoint)
             self.is_real = undo.is_real
             raise
-        if new_real is None:
-            new_real = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
-        self.is_real = torch.cat([self.is_real.to(device), new_real.to(device)], dim=1)  # [B, L + q]
+        writers = None
+        if sources is not None and len(set(sources)) < batch_size:
+            writers = torch.tensor([s == r for r, s in enumerate(sources)], device=device)  # [B]
+        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, writers)
+        self.is_real = is_real
         # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
         step.from_pool = attention == ATTENTION_NAME and not self.pool.layout.latent
         self.step = step
         return step
 
-    def index(self, device: torch.device) -> StepIndex:
-        """The step in progress's slot index on `device`."""
-        return build_index(self.step, self.tables, self.is_real, self.pool.block_size, device)
+    def _plan(
+        self,
+        group: int,
+        tables: BlockTables,
+        new_tokens: list[int],
+        token_ids: list[list[int] | None] | None,
+        keep: list[int] | None,
+        sources: list[int] | None,
+    ) -> None:
+        """Take group `group`'s blocks for the step; a first step's repeated rows share their first row's."""
+        if sources is None:
+            if not tables.batch_size:
+                tables.add_rows(len(new_tokens))
+            plan_group(tables, self.pool, group, new_tokens, token_ids, keep)
+            return
+        planned = sorted(set(sources))  # the rows that take blocks
+        tables.add_rows(len(planned))
+        plan_group(
+            tables,
+            self.pool,
+            group,
+            [new_tokens[r] for r in planned],
+            None if token_ids is None else [token_ids[r] for r in planned],
+            None if keep is None else [keep[r] for r in planned],
+        )
+        tables.select([planned.index(s) for s in sources])  # repeats share their first row's blocks
+
+    def index(self, group: int, device: torch.device) -> StepIndex:
+        """The step in progress's slot index for layer group `group` on `device`."""
+        return build_index(self.step, group, self.groups[group], self.is_real, self.pool.block_size, device)
 
     def commit(self) -> None:
-        """Keep the step in progress (every layer has written it) and register the blocks it filled."""
+        """Keep the step in progress (every layer has written it), register the blocks it filled, and give
+        back the blocks that sliding windows no longer need."""
         self.step = None
-        self.tables.commit()
+        for tables in self.groups:
+            tables.commit()
 
     def rollback(self) -> int:
         """Undo the step in progress: its blocks, copies and rows. Returns the length to go back to."""
         step, self.step = self.step, None
-        self.tables.rollback(step.undo.tables)
+        for tables, savepoint in zip(self.groups, step.undo.tables):
+            tables.rollback(savepoint)
         self.is_real = step.undo.is_real
         return step.past_length
 
@@ -95,31 +152,53 @@ class PagedBatch:
         rows = torch.as_tensor(indices, dtype=torch.long).cpu()
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.batch_size):
             raise IndexError(f"row indices {rows.tolist()} out of range for {self.batch_size} rows")
-        self.tables.select(rows.tolist())
+        for tables in self.groups:
+            tables.select(rows.tolist())
         self.is_real = self.is_real[rows.to(self.is_real.device)]
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` logical positions of every row."""
+        """Keep the first `length` logical positions of every row; then sliding groups keep only what their
+        next queries can see (also while `record_past` is set, as `DynamicSlidingWindowLayer.crop` does).
+
+        Raises `ValueError`, changing nothing, if a sliding group would need positions it has given back.
+        """
         removed = self.is_real[:, length:].sum(dim=1).tolist()  # real tokens per row
-        self.tables.truncate(removed)
-        self.is_real = self.is_real[:, :length]
+        is_real = self.is_real[:, :length]  # [B, length]
+        for tables, window in zip(self.groups, self.windows):
+            needed = keep_from(is_real, window) or [0] * self.batch_size
+            for row, first in enumerate(needed):
+                if tables.first_held_token(row) > first and tables.num_tokens[row] - removed[row] > first:
+                    raise ValueError(
+                        f"cannot remove {self.is_real.shape[1] - length} positions: the layers with a sliding "
+                        f"window of {window} already gave back positions they would then need. Call "
+                        "cache.activate_past_recording() before forwards you may crop (generate does for "
+                        "assisted decoding): the cache then keeps them until the next crop"
+                    )
+        for tables, window in zip(self.groups, self.windows):
+            tables.truncate(removed)
+            kept = keep_from(is_real, window)
+            if kept is not None:
+                tables.drop_blocks_before(kept)
+        self.is_real = is_real
 
     def reset(self) -> None:
         """Give every block back, an unfinished step's included, and forget every row."""
         self.step = None
-        self.tables.release()
+        for tables in self.groups:
+            tables.release()
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)
         self.pending.clear()
 
     def adopt_prefix(self, rows: list[list[int]], device: torch.device) -> int:
-        """Start these unpadded rows from their longest cached prefix; returns its length."""
-        length = self.tables.adopt_longest_prefix(rows)
+        """Start these unpadded rows from their longest prefix cached in every group; returns its length."""
+        length = adopt_longest_prefix(self.groups, self.windows, rows)
         self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=device)
         return length
 
     def copy_to(self, other: PagedBatch) -> None:
         """Give `other` (empty, on the same pool) the same rows, sharing every block."""
-        self.tables.copy_to(other.tables)
+        for mine, theirs in zip(self.groups, other.groups):
+            mine.copy_to(theirs)
         other.is_real = self.is_real.clone()
 
     def dense(self, layer_idx: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +206,29 @@ class PagedBatch:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         if keys is None:
             raise ValueError(f"layer {layer_idx} has stored nothing yet")
-        table = self.tables.as_tensor(keys.device)  # [B, max_blocks]
+        table = self.groups[self.pool.group_of[layer_idx]].as_tensor(keys.device)  # [B, max_blocks]
         slots = slots_for_positions(table, self.is_real.to(keys.device), self.pool.block_size)  # [B, L]
         rows = head_major_rows(slots[:, offset:], keys.shape[1])  # [B, H, L - offset]
         with self.pool.storage_lock.shared():
             return gather(keys, rows), gather(values, rows)
+
+
+def _repeats(
+    new_ids: torch.Tensor | None, new_real: torch.Tensor | None, positions: torch.Tensor | None
+) -> list[int] | None:
+    """Per row, the first row with the same token ids, padding and positions; None when ids are unknown or
+    no row repeats another.
+
+    A row that repeats an earlier one computes the same keys and values, so it can share that row's blocks.
+    """
+    if new_ids is None:
+        return None
+    columns = [new_ids]  # [B, q] each
+    if new_real is not None:
+        columns.append(new_real.to(new_ids.device, new_ids.dtype))
+    if positions is not None and positions.ndim == 2 and positions.shape[0] == new_ids.shape[0]:
+        columns.append(positions.to(new_ids.device, new_ids.dtype))
+    keys = [tuple(row) for row in torch.cat(columns, dim=1).tolist()]
+    first: dict[tuple[int, ...], int] = {}
+    sources = [first.setdefault(key, row) for row, key in enumerate(keys)]
+    return sources if len(first) < len(keys) else None

@@ -53,6 +53,9 @@ class PagedAttentionInputs:
     queries: QueryRows
     window: int | None  # the layer's sliding window
     lock: SharedExclusiveLock  # held while reading the storage (another thread may grow it)
+    # ([B, H, q, key_dim], [B, H, q, value_dim]) the step's new keys and values, when some have no slot
+    # (a sliding window longer step): `row_keys` then covers the past only and the new ones come from here
+    new_states: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def attend_from_pool(
@@ -80,19 +83,19 @@ def attend_from_pool(
             if query_span is None:  # this chunk of the row is all padding (chunked prefill): nothing to compute
                 outs.append(query.new_zeros(1, query_heads, query_length, value_dim))
                 continue
-            rows = inputs.row_keys.rows[b]  # [H * n] head-major storage rows
-            keys = inputs.keys.index_select(0, rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
-            values = inputs.values.index_select(0, rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+            keys, values, key_positions, key_span = _row_keys_and_values(inputs, b, picked, query_span)
             row_query = query[b : b + 1] if picked is None else query[b : b + 1].index_select(2, picked)
             q_len = row_query.shape[2]  # row_query: [1, Hq, q', D]
-            if softcap is None and row_sinks is None and _plain_causal(inputs, b, q_len, query_span):
+            plain = softcap is None and row_sinks is None
+            if plain and _plain_causal(inputs.window, key_span, key_positions, q_len, query_span):
                 # the row's keys are exactly its queries (a prefill from empty): SDPA's own causal kernel
                 row_out = F.scaled_dot_product_attention(
                     row_query, keys, values, is_causal=True, dropout_p=dropout, scale=scale, enable_gqa=groups > 1
                 )  # [1, Hq, q', Dv]
                 outs.append(_place(row_out, picked, query, query_length))
                 continue
-            mask = _row_mask(inputs, b, picked, query_span)  # [q', n] or None
+            query_positions = inputs.queries.positions if picked is None else inputs.queries.positions[picked]
+            mask = _row_mask(inputs.window, key_span, key_positions, query_positions, query_span)  # [q', n] or None
             # [1, H, g * q', D]: query head kv * g + j reads key/value head kv; 4-D takes SDPA's fused CPU kernel
             row_query = row_query.reshape(1, heads, groups * q_len, key_dim)
             if mask is not None:
@@ -118,26 +121,54 @@ def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tens
     return full.index_copy_(2, picked, row_out)
 
 
-def _plain_causal(inputs: PagedAttentionInputs, row: int, q_len: int, query_span: tuple[int, int]) -> bool:
-    """Whether `row`'s keys are exactly its queries' positions, all inside the window (then causal = SDPA's)."""
-    first_key, last_key = inputs.row_keys.spans[row]
-    num_keys = inputs.row_keys.positions[row].shape[0]
+def _row_keys_and_values(
+    inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """Row `row`'s keys ``[1, H, n, D]``, values ``[1, H, n, Dv]``, their positions ``[n]`` and first/last one."""
+    heads, key_dim, value_dim = inputs.num_kv_heads, inputs.keys.shape[-1], inputs.values.shape[-1]
+    rows = inputs.row_keys.rows[row]  # [H * n] head-major storage rows
+    keys = inputs.keys.index_select(0, rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
+    values = inputs.values.index_select(0, rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+    positions, span = inputs.row_keys.positions[row], inputs.row_keys.spans[row]
+    if inputs.new_states is None:
+        return keys, values, positions, span
+    # the past from the pool, then the step's real new tokens as the layer computed them
+    new_keys, new_values = (s[row : row + 1] for s in inputs.new_states)  # [1, H, q, D]
+    if picked is not None:
+        new_keys, new_values = new_keys.index_select(2, picked), new_values.index_select(2, picked)
+    query_positions = inputs.queries.positions if picked is None else inputs.queries.positions[picked]
+    first = span[0] if positions.numel() else query_span[0]
+    return (
+        torch.cat([keys, new_keys], dim=2),
+        torch.cat([values, new_values], dim=2),
+        torch.cat([positions, query_positions]),
+        (first, query_span[1]),
+    )
+
+
+def _plain_causal(
+    window: int | None, key_span: tuple[int, int], key_positions: torch.Tensor, q_len: int, query_span: tuple[int, int]
+) -> bool:
+    """Whether a row's keys are exactly its queries' positions, all inside the window (then causal = SDPA's)."""
+    first_key, last_key = key_span
     # its keys include every real query (stored before attention); as many keys as queries: the same positions
-    in_window = inputs.window is None or last_key - first_key < inputs.window
-    return num_keys == q_len and q_len > 1 and (first_key, last_key) == query_span and in_window
+    in_window = window is None or last_key - first_key < window
+    return key_positions.shape[0] == q_len and q_len > 1 and key_span == query_span and in_window
 
 
 def _row_mask(
-    inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int]
+    window: int | None,
+    key_span: tuple[int, int],
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_span: tuple[int, int],
 ) -> torch.Tensor | None:
-    """``[q', n]`` True where a query of `row` may see a key (causal, within the window); None when all may."""
-    first_key, last_key = inputs.row_keys.spans[row]
+    """``[q', n]`` True where a query may see a key (causal, within the window); None when all may."""
+    first_key, last_key = key_span
     first_query, last_query = query_span
-    window = inputs.window
     if last_key <= first_query and (window is None or first_key > last_query - window):
         return None  # every query sees every key (decode, or a chunk with nothing ahead of it)
-    key_positions = inputs.row_keys.positions[row].unsqueeze(0)  # [1, n]
-    query_positions = inputs.queries.positions if picked is None else inputs.queries.positions[picked]
+    key_positions = key_positions.unsqueeze(0)  # [1, n]
     query_positions = query_positions.unsqueeze(1)  # [q', 1]
     mask = key_positions <= query_positions  # [q', n]
     if window is not None:

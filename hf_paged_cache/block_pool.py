@@ -31,7 +31,7 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    hits: int  # full blocks found by `match_prefix`
+    hits: int  # full blocks found by prefix and held (`hold_cached`)
     misses: int  # full blocks looked up and not found
     evictions: int  # cached blocks whose contents were given up to make room
     cached_blocks: int  # blocks currently findable by their prefix (held or free)
@@ -100,7 +100,7 @@ class BlockPool:
 
     Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block
     that nobody holds stays in the free list with its contents and its key, so `match_prefix` can take it
-    back; it loses both only when `allocate` hands it out again (an eviction). The free list's order makes
+    back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an eviction). The free list's order makes
     that least-recently-freed first.
 
     Thread safety: `_lock` guards the id space, the free list, the reference counts, the prefix index and the
@@ -281,30 +281,52 @@ class BlockPool:
         """Whether the block's contents are findable by prefix (so they must not be overwritten in place)."""
         return block_id in self._cached
 
-    def match_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[int]:
-        """Take a hold on the cached blocks that spell the longest prefix of `tokens` (at most `max_blocks`).
+    def lookup_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[tuple[int, bytes] | None]:
+        """For each of the first `max_blocks` full blocks of `tokens`: ``(block, key)`` if cached, else None.
 
-        `root` is the key the chain starts from (what the registering caches chained from: it stands for
-        the model that computed the blocks). Blocks nobody held come back from the free list. Each returned
-        block is held once more by the caller, who must `free` it eventually.
+        Takes no hold (see `hold_cached`); the chain goes on past a miss, since a sliding-window group needs
+        only its last blocks. `root` is the key the chain starts from (what the registering caches chained
+        from: it stands for the model that computed the blocks).
         """
         size = self.block_size
+        found: list[tuple[int, bytes] | None] = []
+        parent = root
         with self._lock:
-            matched, parent = [], root
             for start in range(0, min(len(tokens) // size, max_blocks) * size, size):
                 chunk = tuple(tokens[start : start + size])
                 parent = hash_block(parent, chunk)
                 block_id = self._by_hash.get(parent)
-                if block_id is None or self._cached[block_id][1] != chunk:
-                    break
-                matched.append(block_id)
-            for block_id in matched:
+                hit = block_id is not None and self._cached[block_id][1] == chunk
+                found.append((block_id, parent) if hit else None)
+        return found
+
+    def hold_cached(self, blocks: Sequence[tuple[int, bytes]], looked_up: int = 0) -> bool:
+        """Take a hold on each ``(block, key)`` from `lookup_prefix` if all still hold those contents; all or none.
+
+        Blocks nobody held come back from the free list; the caller must `free` them eventually. `looked_up`
+        is how many blocks the caller looked for (for `prefix_stats`: the rest count as misses).
+        """
+        with self._lock:
+            if any(self._by_hash.get(key) != block_id for block_id, key in blocks):
+                return False  # evicted since the lookup
+            for block_id, _ in blocks:
                 if self._refcounts[block_id] == 0:
                     del self._free[block_id]
                 self._refcounts[block_id] += 1
-            self._hits += len(matched)
-            self._misses += min(len(tokens) // size, max_blocks) - len(matched)
-            return matched
+            self._hits += len(blocks)
+            self._misses += max(looked_up - len(blocks), 0)
+            return True
+
+    def match_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[int]:
+        """Take a hold on the cached blocks that spell the longest prefix of `tokens` (at most `max_blocks`).
+
+        Each returned block is held once more by the caller, who must `free` it eventually.
+        """
+        while True:
+            found = self.lookup_prefix(tokens, max_blocks, root)
+            run = next((i for i, hit in enumerate(found) if hit is None), len(found))
+            if self.hold_cached(found[:run], looked_up=len(found)):
+                return [block_id for block_id, _ in found[:run]]
 
     def prefix_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._hits, self._misses, self._evictions, len(self._cached))

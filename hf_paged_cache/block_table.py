@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +26,17 @@ class BlockTables:
 
     A step is all or nothing: `savepoint()` before it, then `rollback()` restores the tables and every
     reference count exactly, or `commit()` lets go of the blocks copied away from and registers new full blocks.
+
+    Tables of a sliding-window layer group keep only the blocks their next queries can see: a block lying
+    wholly before a row's `keep_from` token (given to `append`) is never taken if the step writes it, and is
+    given back when the step commits. Its entry stays in the table as the null block, so token `j` keeps
+    living at ``tables[b][j // block_size]``.
     """
 
     def __init__(self, blocks: BlockPool, root: bytes | None = None):
         self.blocks = blocks
         self.root = root
+        self.drop_before: list[int] | None = None  # per row, the first token the step in progress keeps
         self.tables: list[list[int]] = []
         self.num_tokens: list[int] = []
         self.token_ids: list[list[int] | None] = []  # the row's stored token ids, None once unknown
@@ -48,25 +54,36 @@ class BlockTables:
         self.hashes.extend([] for _ in range(n))
 
     def append(
-        self, new_tokens: Sequence[int], token_ids: Sequence[Sequence[int] | None] | None = None
+        self,
+        new_tokens: Sequence[int],
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        keep_from: Sequence[int] | None = None,
     ) -> list[tuple[int, int]]:
         """Make room for `new_tokens[b]` more tokens in each row; all or nothing.
 
         `token_ids[b]` are those tokens' ids when known and usable as a prefix key (for prefix caching); None
-        (for a row, or for all) marks them unknown, and the row is never registered again.
+        (for a row, or for all) marks them unknown, and the row is never registered again. `keep_from[b]`
+        (sliding windows): the row's first token still needed once the step is done; blocks wholly before it
+        are not taken (the new tokens there get no slot) and held ones are given back at `commit`.
 
         Returns the ``(src, dst)`` pairs of shared last blocks that were replaced by private copies: the caller
         must copy their contents. The sources stay held (`copied_from`) until `commit` or `rollback`. Raises
         `PoolExhaustedError`, with the tables and pool untouched, if the pool cannot supply every block.
         """
         size = self.blocks.block_size
-        grow, copy_rows = [], []
+        first = [0] * len(new_tokens) if keep_from is None else [k // size for k in keep_from]  # first kept block
+        grow, copy_rows, reopen_rows = [], [], []
         for row, n in enumerate(new_tokens):
             table, stored = self.tables[row], self.num_tokens[row]
-            grow.append(-(-(stored + n) // size) - len(table))  # ceil((stored + n) / size) - held
-            if n > 0 and stored % size and self._shared(table[-1]):
-                copy_rows.append(row)
-        needed = sum(grow) + len(copy_rows)
+            end = -(-(stored + n) // size)  # ceil((stored + n) / size): the row's blocks after the step
+            grow.append(end - max(len(table), first[row]) if end > len(table) else 0)
+            if n > 0 and stored % size and len(table) - 1 >= first[row]:
+                if table[-1] == NULL_BLOCK:
+                    reopen_rows.append(row)  # a partly filled block given back earlier: start a fresh one
+                elif self._shared(table[-1]):
+                    copy_rows.append(row)
+        grow = [max(g, 0) for g in grow]
+        needed = sum(grow) + len(copy_rows) + len(reopen_rows)
         new_ids = self.blocks.allocate(needed)
         if new_ids is None:
             raise PoolExhaustedError(needed, self.blocks.num_free, self.blocks.capacity, size)
@@ -77,8 +94,13 @@ class BlockTables:
             pairs.append((self.tables[row][-1], dst))
             self.copied_from.append(self.tables[row][-1])
             self.tables[row][-1] = dst
+        for row in reopen_rows:
+            self.tables[row][-1] = next(fresh)
         for row, n in enumerate(new_tokens):
-            self.tables[row].extend(next(fresh) for _ in range(grow[row]))
+            table = self.tables[row]
+            end = -(-(self.num_tokens[row] + n) // size)
+            table.extend(NULL_BLOCK for _ in range(len(table), min(first[row], end)))  # out of the window
+            table.extend(next(fresh) for _ in range(grow[row]))
             self.num_tokens[row] += n
             known = self.token_ids[row]
             row_ids = token_ids[row] if token_ids is not None else None
@@ -86,6 +108,7 @@ class BlockTables:
                 known.extend(row_ids)
             else:
                 self.token_ids[row] = None
+        self.drop_before = list(keep_from) if keep_from is not None else None
         return pairs
 
     def _shared(self, block: int) -> bool:
@@ -103,7 +126,8 @@ class BlockTables:
         for i in range(len(hashes), self.num_tokens[row] // size):
             chunk = tokens[i * size : (i + 1) * size]
             hashes.append(hash_block(hashes[-1] if hashes else self.root, chunk))
-            self.blocks.register(self.tables[row][i], hashes[-1], chunk)
+            if self.tables[row][i] != NULL_BLOCK:  # a sliding group's block that was never taken
+                self.blocks.register(self.tables[row][i], hashes[-1], chunk)
 
     def savepoint(self) -> TablesSavepoint:
         """What `rollback` needs to restore the tables as they are now (O(blocks held) to take)."""
@@ -122,11 +146,11 @@ class BlockTables:
         so every block of the savepoint is still held, by the current tables or as a copy source: holding
         them again first and then dropping the current holds restores each reference count exactly.
         """
-        self.blocks.incref(b for t in savepoint.tables for b in t)
+        self.blocks.incref(_held(b for t in savepoint.tables for b in t))
         for table in self.tables:
-            self.blocks.free(reversed(table))
+            self.blocks.free(_held(reversed(table)))
         self.blocks.free(self.copied_from)
-        self.copied_from = []
+        self.copied_from, self.drop_before = [], None
         self.tables, self.num_tokens = savepoint.tables, savepoint.num_tokens
         self.token_ids, self.hashes = savepoint.token_ids, savepoint.hashes
         for tokens, count in zip(self.token_ids, savepoint.token_counts):
@@ -141,25 +165,6 @@ class BlockTables:
         self.hashes[row] = []
         self._register_full_blocks(row)  # computes the keys; the blocks are registered already
 
-    def adopt_longest_prefix(self, rows: Sequence[Sequence[int]]) -> int:
-        """Start `rows` new rows from the longest prefix all of them find cached in the pool (whole blocks).
-
-        Each row keeps at least one token to compute. Returns the number of tokens adopted per row.
-        """
-        if self.root is None:
-            raise ValueError("these block tables have no prefix root: nothing can be looked up by prefix")
-        size = self.blocks.block_size
-        max_blocks = (min(len(tokens) for tokens in rows) - 1) // size
-        matches = [self.blocks.match_prefix(tokens, max_blocks, root=self.root) for tokens in rows]
-        keep = min(len(m) for m in matches)
-        self.blocks.free(b for m in matches for b in reversed(m[keep:]))
-        length = keep * size
-        start = self.batch_size
-        self.add_rows(len(rows))
-        for row, (tokens, blocks) in enumerate(zip(rows, matches), start=start):
-            self.adopt_prefix(row, blocks[:keep], tokens[:length])
-        return length
-
     def copy_to(self, other: BlockTables) -> None:
         """Give `other` (empty, on the same pool and root) the same rows, sharing every block by reference count."""
         if other.blocks is not self.blocks or other.root != self.root or other.batch_size:
@@ -168,13 +173,33 @@ class BlockTables:
         other.num_tokens = list(self.num_tokens)
         other.token_ids = [None if t is None else list(t) for t in self.token_ids]
         other.hashes = [list(h) for h in self.hashes]
-        self.blocks.incref(b for t in other.tables for b in t)
+        self.blocks.incref(_held(b for t in other.tables for b in t))
 
     def commit(self) -> None:
-        """Finish a step: drop the holds on the blocks copied away from, register the blocks it filled."""
+        """Finish a step: drop the holds on the blocks copied away from, register the blocks it filled, and
+        give back the blocks that fell out of a sliding window (registered ones stay findable by prefix)."""
         self.blocks.free(self.copied_from)
         self.copied_from = []
         self.register_full_blocks()
+        if self.drop_before is not None:
+            self.drop_blocks_before(self.drop_before)
+            self.drop_before = None
+
+    def drop_blocks_before(self, keep_from: Sequence[int]) -> None:
+        """Give back each row's blocks that lie wholly before its token `keep_from[b]` (they become null entries)."""
+        size = self.blocks.block_size
+        for table, first in zip(self.tables, keep_from):
+            end = min(first // size, len(table))
+            dropped = [b for b in table[:end] if b != NULL_BLOCK]
+            if dropped:
+                table[:end] = [NULL_BLOCK] * end
+                self.blocks.free(reversed(dropped))
+
+    def first_held_token(self, row: int) -> int:
+        """The first token of `row` that still has a block (0 unless a sliding window gave blocks back)."""
+        table = self.tables[row]
+        held = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        return min(held * self.blocks.block_size, self.num_tokens[row])
 
     def truncate(self, remove_tokens: Sequence[int]) -> None:
         """Forget the last `remove_tokens[b]` tokens of each row, freeing blocks no longer needed."""
@@ -184,7 +209,7 @@ class BlockTables:
             keep = -(-self.num_tokens[row] // size)
             dropped = self.tables[row][keep:]
             del self.tables[row][keep:]
-            self.blocks.free(reversed(dropped))
+            self.blocks.free(_held(reversed(dropped)))
             del self.hashes[row][self.num_tokens[row] // size :]
             if self.token_ids[row] is not None:
                 del self.token_ids[row][self.num_tokens[row] :]
@@ -195,17 +220,19 @@ class BlockTables:
         num_tokens = [self.num_tokens[r] for r in rows]
         token_ids = [None if self.token_ids[r] is None else list(self.token_ids[r]) for r in rows]
         hashes = [list(self.hashes[r]) for r in rows]
-        self.blocks.incref(b for table in tables for b in table)
+        self.blocks.incref(_held(b for table in tables for b in table))
         for table in self.tables:
-            self.blocks.free(reversed(table))
+            self.blocks.free(_held(reversed(table)))
         self.tables, self.num_tokens, self.token_ids, self.hashes = tables, num_tokens, token_ids, hashes
+        if self.drop_before is not None:
+            self.drop_before = [self.drop_before[r] for r in rows]
 
     def release(self) -> None:
         """Give every block back (tail blocks first, then those of an unfinished copy) and forget all rows."""
         for table in self.tables:
-            self.blocks.free(reversed(table))
+            self.blocks.free(_held(reversed(table)))
         self.blocks.free(self.copied_from)
-        self.copied_from = []
+        self.copied_from, self.drop_before = [], None
         self.tables, self.num_tokens, self.token_ids, self.hashes = [], [], [], []
 
     def unique_blocks(self) -> dict[int, int]:
@@ -214,7 +241,8 @@ class BlockTables:
         filled: dict[int, int] = {}
         for table, stored in zip(self.tables, self.num_tokens):
             for i, block in enumerate(table):
-                filled[block] = max(filled.get(block, 0), min(size, stored - i * size))
+                if block != NULL_BLOCK:
+                    filled[block] = max(filled.get(block, 0), min(size, stored - i * size))
         return filled
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
@@ -222,6 +250,11 @@ class BlockTables:
         width = max(1, max((len(t) for t in self.tables), default=0))
         padded = [t + [NULL_BLOCK] * (width - len(t)) for t in self.tables]
         return torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def _held(blocks: Iterable[int]) -> Iterator[int]:
+    """The real blocks among table entries (a sliding group's given-back blocks are null entries)."""
+    return (b for b in blocks if b != NULL_BLOCK)
 
 
 def slots_for_positions(table: torch.Tensor, is_real: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from .block_attention import PAGED_INPUTS, PagedAttentionInputs
 from .block_table import BlockTables
 from .inputs import install_input_hook, prefix_root
 from .kv_pool import KVPool
-from .layer import PagedLayer, attention_windows
+from .layer import PagedLayer
+from .memory import KVLayout, attention_windows
 from .stats import CacheStats
 from .step import gather, write_new_tokens
 
@@ -60,13 +61,13 @@ class PagedCache(Cache):
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
-        self.pool = _pool_for(config, model, len(windows), pool, block_size, num_blocks, max_memory)
+        self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
         # A cache dropped without `release()` gives its blocks back at once (it is in no reference cycle).
-        self._finalizer = weakref.finalize(self, BlockTables.release, self.batch.tables)
+        self._finalizer = weakref.finalize(self, _release_all, self.batch.groups)
         if model is not None:
             install_input_hook(model)
 
@@ -111,7 +112,7 @@ class PagedCache(Cache):
         needs_grad = _needs_grad(key_states, value_states, step.past_length)
         attention_kwargs = kwargs.get("kwargs")  # the dict transformers also hands the attention function
         from_pool = step.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
-        index = self.batch.index(key_states.device)
+        index = self.batch.index(self.pool.group_of[layer_idx], key_states.device)
         offset = layer.window_offset()  # before this step's tokens count, as `get_mask_sizes` saw it
         with self.pool.storage_lock.shared():  # another thread's step may grow the pool's tensors in place
             write_new_tokens(keys, key_states, index)
@@ -124,11 +125,14 @@ class PagedCache(Cache):
                     keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1]), keys.shape[1],
                     index.row_keys(offset, keys.shape[1]), index.queries(),
                     layer.sliding_window, self.pool.storage_lock,
+                    (key_states, value_states) if index.new_from_states else None,
                 )
                 result = key_states, value_states
             else:
-                rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv_length], keys and values alike
+                rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv], keys and values alike
                 result = gather(keys, rows), gather(values, rows)  # copies: safe once the lock is let go
+                if index.new_from_states:  # a sliding window stores only the step's last tokens: new K/V as given
+                    result = torch.cat([result[0], key_states], dim=2), torch.cat([result[1], value_states], dim=2)
         layer.length = step.length
         step.layers_done += 1
         if step.layers_done == len(self.layers):
@@ -181,18 +185,31 @@ class PagedCache(Cache):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` positions (a negative count, as `DynamicCache.crop`)."""
+        """Remove the last ``-tokens_to_remove`` positions (a negative count, as `DynamicCache.crop`).
+
+        Sliding-window layers then keep only what their window needs, as `DynamicSlidingWindowLayer` does,
+        even for ``crop(0)``. Positions they gave back cannot come back: removing so many that the window would
+        need them raises `ValueError` (call `activate_past_recording()` before forwards you may crop).
+        """
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
         length = self.get_seq_length()  # settles an unfinished step first
         remove = min(-tokens_to_remove, length)
-        if remove == 0:
-            return
         self.batch.truncate(length - remove)
         for layer in self.layers:
             layer.length = min(layer.length, length - remove)
+
+    def activate_past_recording(self) -> None:
+        """Keep the blocks sliding windows no longer need until the next `crop` (which can then go back).
+
+        transformers calls this before forwards it may roll back (assisted decoding), as for `DynamicCache`.
+        """
+        self.batch.record_past = True
+
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        return self.batch.record_past
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` becomes old row ``beam_idx[i]``, sharing its blocks (no K/V is copied)."""
@@ -298,9 +315,9 @@ class PagedCache(Cache):
         return self.batch.is_real
 
     def stats(self) -> CacheStats:
-        """Blocks, tokens and bytes this cache holds right now."""
+        """Blocks, tokens and bytes this cache holds right now, in total and per layer group."""
         self._settle()
-        return CacheStats.of(self.batch.tables, self.pool)
+        return CacheStats.of(self.batch.groups, self.pool)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
@@ -311,10 +328,16 @@ class PagedCache(Cache):
         return self.batch.dense(layer_idx, self.layers[layer_idx].window_offset())
 
     def __repr__(self) -> str:
+        blocks = [len(tables.unique_blocks()) for tables in self.batch.groups]
         return (
             f"PagedCache(rows={self.batch_size}, length={self.get_seq_length()}, "
-            f"blocks={len(self.batch.tables.unique_blocks())}, pool={self.pool!r})"
+            f"blocks={blocks[0] if len(blocks) == 1 else blocks}, pool={self.pool!r})"
         )
+
+
+def _release_all(groups: list[BlockTables]) -> None:
+    for tables in groups:
+        tables.release()
 
 
 def _needs_grad(key_states: torch.Tensor, value_states: torch.Tensor, past_length: int) -> bool:
@@ -346,7 +369,7 @@ def _check_token_rows(input_ids: object) -> None:
 def _pool_for(
     config: PreTrainedConfig,
     model: PreTrainedModel | None,
-    num_layers: int,
+    windows: list[int | None],
     pool: KVPool | None,
     block_size: int,
     num_blocks: int | None,
@@ -355,15 +378,21 @@ def _pool_for(
     """The given `pool`, checked against the model's layers, or a new one of the requested size."""
     if pool is None:
         dtype = _model_dtype(model, config)
+        layout = KVLayout.from_model(model) if model is not None else None  # tensor-parallel ranks: their heads
         return KVPool.for_config(
-            config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype
+            config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype, layout=layout
         )
     if num_blocks is not None or max_memory is not None:
         raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
-    if pool.layout.num_layers != num_layers:
+    if pool.layout.num_layers != len(windows):
         raise ValueError(
             f"the pool was built for {pool.layout.num_layers} layers but {config.model_type!r} has "
-            f"{num_layers}: is it a pool for another model?"
+            f"{len(windows)}: is it a pool for another model?"
+        )
+    if list(pool.layout.windows or [None] * len(windows)) != list(windows):
+        raise ValueError(
+            f"the pool was built for attention windows {pool.layout.windows} but {config.model_type!r} has "
+            f"{windows}: is it a pool for another model?"
         )
     return pool
 

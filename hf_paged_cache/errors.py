@@ -14,14 +14,19 @@ class PoolExhaustedError(RuntimeError):
     Attributes:
         needed: blocks the failing step asked for.
         free: blocks free in the pool at that moment.
+        group: which layer group ran out ("sliding window 512"), for a pool with several; else None.
     """
 
-    def __init__(self, needed: int, free: int, total: int, block_size: int):
+    def __init__(self, needed: int, free: int, total: int, block_size: int, group: str | None = None):
         self.needed = needed
         self.free = free
+        self.total = total
+        self.block_size = block_size
+        self.group = group  # the layer group that ran out, in a pool with several
+        where = f" for its {group} layers" if group else ""
         super().__init__(
-            f"KV block pool exhausted: this step needs {needed} blocks of {block_size} tokens but only {free} of "
-            f"{total} are free. Release or crop other caches on this pool, or build the pool bigger "
+            f"KV block pool exhausted: this step needs {needed} blocks of {block_size} tokens{where} but only "
+            f"{free} of {total} are free. Release or crop other caches on this pool, or build the pool bigger "
             "(`num_blocks=` or `max_memory=`)."
         )
 

@@ -1,5 +1,13 @@
 """The shared memory of paged caches: block ids (`BlockPool`) plus the per-layer tensors they index.
 
+Layer groups
+------------
+Layers that keep the same span of tokens form a group (`memory.LayerGroup`): full attention keeps every
+token, a sliding window only the last ones. Each group has its own `BlockPool` (``pool.groups[g]``) and its
+layers' tensors hold that pool's blocks only, so a sliding group that gives its old blocks back really
+holds less memory. Most models have one group; ``pool.blocks`` is the first one's (full attention when the
+model has any).
+
 Fixed and elastic pools
 -----------------------
 A pool sized by ``num_blocks=`` or ``max_memory=`` is fixed: its tensors hold that many blocks and a step
@@ -42,7 +50,7 @@ step changes nothing, as with `PoolExhaustedError`. Creating a layer's storage (
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -55,7 +63,6 @@ from .memory import (
     KVLayout,
     LayerShape,
     blocks_for_budget,
-    blocks_for_tokens,
     bytes_per_block,
     check_fits_machine,
     exceeds_machine,
@@ -78,16 +85,18 @@ class KVPool:
     a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache`
     objects can share one pool; they share its blocks through reference counts in `blocks`.
 
-    `max_blocks` (as for `BlockPool`): by default the pool is fixed at `num_blocks`; None makes it elastic
-    (it grows as needed, see the module docstring for growth and the `storage_lock` protocol). A pool larger
-    than this machine's memory (RAM plus accelerators) is refused with `ValueError`.
+    Each layer group (`layout.groups`) has its own `BlockPool` in `groups`, and a layer's tensors hold its
+    group's blocks. `num_blocks` sizes every group alike (an int), or each group (a sequence, one per group).
+    `max_blocks` (as for `BlockPool`): by default each group is fixed at its `num_blocks`; None makes them
+    elastic (they grow as needed, see the module docstring for growth and the `storage_lock` protocol). A
+    pool larger than this machine's memory (RAM plus accelerators) is refused with `ValueError`.
     """
 
     def __init__(
         self,
         layout: KVLayout,
         *,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int = 16,
         dtype: torch.dtype,
         max_blocks: int | None = FIXED,
@@ -95,13 +104,23 @@ class KVPool:
         self.layout = layout
         self.dtype = dtype
         self.storage_lock = SharedExclusiveLock()
-        self.blocks = BlockPool(num_blocks, block_size, max_blocks=max_blocks, on_grow=_grow_hook(self))
-        start, cap = self.blocks.num_blocks, self.blocks.max_blocks
-        asked = f"num_blocks={start}" if cap in (None, start) else f"max_blocks={cap}"
-        check_fits_machine(start if cap is None else cap, self.bytes_per_block, asked)
+        self.layer_groups = layout.groups
+        self.group_of = layout.group_of()  # each layer's index in `groups`
+        sizes = [num_blocks] * len(self.layer_groups) if not isinstance(num_blocks, Sequence) else list(num_blocks)
+        if len(sizes) != len(self.layer_groups):
+            raise ValueError(f"num_blocks gives {len(sizes)} sizes for {len(self.layer_groups)} layer groups")
+        self.groups = tuple(
+            BlockPool(size, block_size, max_blocks=max_blocks, on_grow=_grow_hook(self, g))
+            for g, size in enumerate(sizes)
+        )
+        cap = self.groups[0].max_blocks
+        asked = f"num_blocks={num_blocks}" if cap in (None, self.groups[0].num_blocks) else f"max_blocks={cap}"
+        sizes = [b.num_blocks if cap is None else cap for b in self.groups]
+        check_fits_machine(self._bytes_for(sizes), asked, f": {sizes[0]:,} blocks x {self.bytes_per_block:,} bytes"
+                           if len(set(sizes)) == 1 else f": {sizes} blocks per layer group")
         self.keys: list[torch.Tensor | None] = [None] * layout.num_layers
         self.values: list[torch.Tensor | None] = [None] * layout.num_layers
-        self._storage_blocks = self.blocks.num_blocks  # blocks every layer's tensors hold (or are created with)
+        self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
 
     @classmethod
     def for_config(
@@ -112,53 +131,75 @@ class KVPool:
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         dtype: torch.dtype = torch.float32,
+        layout: KVLayout | None = None,
     ) -> KVPool:
         """A pool for `config`: fixed at `num_blocks` or at what a `max_memory` budget buys, else elastic.
 
-        With neither, the pool starts with one sequence of the model's full context (``max_position_embeddings``
-        tokens, at most `ELASTIC_START_TOKENS`) plus the null block, and grows as needed. Sizes may be ints or
-        numpy integers; `max_memory` also a string like ``"512MiB"``. Raises `ValueError` for a size this
-        machine cannot hold.
+        `layout` (default: the config's) gives the shapes the model really runs (`KVLayout.from_model`:
+        a tensor-parallel rank holds a share of the heads).
+
+        With neither, each group starts with what one sequence of the model's full context
+        (``max_position_embeddings`` tokens, at most `ELASTIC_START_TOKENS`) holds in it, plus the null block,
+        and grows as needed. A fixed pool gives every group the same number of blocks (`max_memory` buys that
+        many of each). Sizes may be ints or numpy integers; `max_memory` also a string like ``"512MiB"``.
+        Raises `ValueError` for a size this machine cannot hold.
         """
         block_size = as_count("block_size", block_size, 1)
         if num_blocks is not None and max_memory is not None:
             raise ValueError("pass num_blocks or max_memory, not both")
-        layout = KVLayout.from_config(config)
+        layout = layout or KVLayout.from_config(config)
         if max_memory is not None:
             num_blocks = blocks_for_budget(max_memory, layout, block_size, dtype)
-            check_fits_machine(num_blocks, bytes_per_block(layout, block_size, dtype), f"max_memory={max_memory!r}")
+            per_block = bytes_per_block(layout, block_size, dtype)
+            check_fits_machine(
+                num_blocks * per_block, f"max_memory={max_memory!r}", f": {num_blocks:,} blocks x {per_block:,} bytes"
+            )
         if num_blocks is not None:
             return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
         context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
-        start = blocks_for_tokens(min(context, ELASTIC_START_TOKENS), block_size) + 1
-        return cls(layout, num_blocks=start, block_size=block_size, dtype=dtype, max_blocks=None)
+        tokens = min(context, ELASTIC_START_TOKENS)
+        starts = [group.max_blocks_per_row(tokens, block_size) + 1 for group in layout.groups]
+        return cls(layout, num_blocks=starts, block_size=block_size, dtype=dtype, max_blocks=None)
+
+    @property
+    def blocks(self) -> BlockPool:
+        """The first layer group's block ids (full attention when the model has any; most models have one group)."""
+        return self.groups[0]
 
     @property
     def block_size(self) -> int:
-        return self.blocks.block_size
+        return self.groups[0].block_size
 
     @property
     def num_blocks(self) -> int:
-        """Current size in blocks (the null block included); an elastic pool grows it."""
-        return self.blocks.num_blocks
+        """Current size in blocks of the first group (the null block included); an elastic pool grows it."""
+        return self.groups[0].num_blocks
 
     @property
     def max_blocks(self) -> int | None:
-        """The cap on `num_blocks`; None for an elastic pool."""
-        return self.blocks.max_blocks
+        """The cap on each group's `num_blocks`; None for an elastic pool."""
+        return self.groups[0].max_blocks
 
     @property
     def is_elastic(self) -> bool:
-        return self.blocks.max_blocks is None
+        return self.groups[0].max_blocks is None
 
     @property
     def grow_count(self) -> int:
-        """How many times the pool grew."""
-        return self.blocks.grow_count
+        """How many times the pool grew (all groups together)."""
+        return sum(b.grow_count for b in self.groups)
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block in every group: what a token costs when every group keeps it."""
         return bytes_per_block(self.layout, self.block_size, self.dtype)
+
+    def group_bytes_per_block(self, group: int) -> int:
+        """Bytes of one block of group `group` (its layers only)."""
+        return bytes_per_block(self.layout, self.block_size, self.dtype, self.layer_groups[group])
+
+    def _bytes_for(self, group_blocks: Sequence[int]) -> int:
+        return sum(n * self.group_bytes_per_block(g) for g, n in enumerate(group_blocks))
 
     def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's ``[num_blocks * block_size, heads, dim]`` key and value tensors, created on first use.
@@ -188,16 +229,17 @@ class KVPool:
                 "torch.autocast is not supported (it makes keys and values of different dtypes): cast the model "
                 "to one dtype instead"
             )
-        keys = self.keys[layer_idx]
-        if keys is None or keys.shape[0] < self.blocks.num_blocks * self.block_size:
+        keys, group = self.keys[layer_idx], self.group_of[layer_idx]
+        num_blocks = self.groups[group].num_blocks
+        if keys is None or keys.shape[0] < num_blocks * self.block_size:
             with self._exclusive(f"creating layer {layer_idx}'s storage"):
                 if self.keys[layer_idx] is None:
-                    blocks = max(self.blocks.num_blocks, self._storage_blocks)
+                    blocks = max(num_blocks, self._storage_blocks[group])
                     keys, values = self._create(layer_idx, shape, key_states.device, blocks)
                     self.values[layer_idx] = values  # first: whoever sees the keys (read unlocked) sees the values
                     self.keys[layer_idx] = keys
                 else:  # only if the id space grew without the hook (never for a pool built here)
-                    self._grow_layer(layer_idx, self.blocks.num_blocks)
+                    self._grow_layer(layer_idx, num_blocks)
             keys = self.keys[layer_idx]
         if keys.device != key_states.device:
             raise ValueError(
@@ -205,20 +247,20 @@ class KVPool:
             )
         return keys, self.values[layer_idx]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each ``(src, dst)`` block in every layer that has storage (copy-on-write, second step).
-
-        Takes `storage_lock.shared()` itself.
+    def copy_blocks(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy each ``(src, dst)`` block of group `group` in its layers that have storage (copy-on-write,
+        second step). Takes `storage_lock.shared()` itself.
         """
         if not pairs:
             return
-        size = self.block_size
-        if any(k is not None and k.shape[0] < self.blocks.num_blocks * size for k in self.keys):
+        size, layers = self.block_size, self.layer_groups[group].layers
+        num_blocks = self.groups[group].num_blocks
+        if any(self.keys[i] is not None and self.keys[i].shape[0] < num_blocks * size for i in layers):
             with self._exclusive("growing the storage for copy_blocks"):  # never for a pool built here
-                for layer_idx in range(self.layout.num_layers):
-                    self._grow_layer(layer_idx, self.blocks.num_blocks)
+                for layer_idx in layers:
+                    self._grow_layer(layer_idx, num_blocks)
         with self.storage_lock.shared():
-            for storage in (*self.keys, *self.values):
+            for storage in (*(self.keys[i] for i in layers), *(self.values[i] for i in layers)):
                 if storage is None:
                     continue
                 src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
@@ -241,23 +283,23 @@ class KVPool:
         with self.storage_lock.exclusive():
             yield
 
-    def _grow_storage(self, num_blocks: int) -> None:
-        """`BlockPool.allocate`'s hook: make every layer's tensors hold `num_blocks` blocks before the ids exist."""
-        old = self.blocks.num_blocks
-        requested = num_blocks * self.bytes_per_block
+    def _grow_storage(self, group: int, num_blocks: int) -> None:
+        """`BlockPool.allocate`'s hook: make group `group`'s tensors hold `num_blocks` blocks before the ids exist."""
+        old = self.groups[group].num_blocks
+        requested = self._bytes_for([num_blocks if g == group else n for g, n in enumerate(self._storage_blocks)])
         too_big = exceeds_machine(requested)
         if too_big:
             raise KVMemoryError(
-                f"growing the elastic KV pool from {old:,} to {num_blocks:,} blocks needs {requested:,} bytes "
-                f"({format_memory(requested)}) for all layers, but this machine has {too_big}. Nothing was taken: "
+                f"growing the elastic KV pool's {self.layer_groups[group].name} layers from {old:,} to "
+                f"{num_blocks:,} blocks makes the pool {requested:,} bytes ({format_memory(requested)}), but this machine has {too_big}. Nothing was taken: "
                 "release other caches on this pool, or give the pool a fixed size (num_blocks= / max_memory=).",
                 requested,
                 "this machine",
             )
         with self._exclusive(f"growing the pool to {num_blocks} blocks"):
-            for layer_idx in range(self.layout.num_layers):
+            for layer_idx in self.layer_groups[group].layers:
                 self._grow_layer(layer_idx, num_blocks)
-            self._storage_blocks = max(self._storage_blocks, num_blocks)
+            self._storage_blocks[group] = max(self._storage_blocks[group], num_blocks)
 
     def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
         """Resize layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
@@ -275,7 +317,7 @@ class KVPool:
                     f"growing the elastic KV pool from {tensor.shape[0] // self.block_size:,} to {num_blocks:,} "
                     f"blocks: layer {layer_idx}'s {name} need {nbytes:,} bytes ({format_memory(nbytes)}) on "
                     f"{tensor.device}, which it could not allocate ({error}). Nothing was taken: the pool keeps "
-                    f"its {self.blocks.num_blocks:,} blocks. Release other caches on this pool, or give the pool a "
+                    f"its {self.groups[self.group_of[layer_idx]].num_blocks:,} blocks. Release other caches on this pool, or give the pool a "
                     "fixed size (num_blocks= / max_memory=) that fits.",
                     nbytes,
                     tensor.device,
@@ -319,14 +361,14 @@ class KVPool:
         )
 
 
-def _grow_hook(pool: KVPool):
-    """`pool._grow_storage`, held weakly (the pool owns the `BlockPool` that holds the hook)."""
+def _grow_hook(pool: KVPool, group: int):
+    """`pool._grow_storage` for one group, held weakly (the pool owns the `BlockPool` that holds the hook)."""
     ref = weakref.ref(pool)
 
     def on_grow(num_blocks: int) -> None:
         target = ref()
         if target is not None:
-            target._grow_storage(num_blocks)
+            target._grow_storage(group, num_blocks)
 
     return on_grow
 

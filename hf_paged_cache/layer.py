@@ -1,4 +1,4 @@
-"""`PagedLayer`, one layer's view of a `PagedCache`, and which layers a model's config asks it to cache."""
+"""`PagedLayer`: one layer's view of a `PagedCache`."""
 
 from __future__ import annotations
 
@@ -6,34 +6,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedConfig
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import CacheLayerMixin
 
 if TYPE_CHECKING:
     from .cache import PagedCache
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def attention_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Each decoder layer's sliding window (None for full attention), read from `config`.
-
-    Raises `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that
-    are not plain attention (linear attention, chunked attention, KV sharing, ...).
-    """
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(
-            f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
-        )
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(
-            f"PagedCache supports attention layers of types {SUPPORTED_LAYER_TYPES}; model type "
-            f"{config.model_type!r} has layers of type {unsupported}"
-        )
-    return [kwargs.get("sliding_window") for kwargs in layer_kwargs]
-
 
 class PagedLayer(CacheLayerMixin):
     """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool.
@@ -79,6 +55,15 @@ class PagedLayer(CacheLayerMixin):
     @values.setter
     def values(self, value: None) -> None:
         _refuse_assignment("values", value)
+
+    @property
+    def record_past(self) -> bool:
+        """Whether the cache keeps positions out of the window until the next crop (`activate_past_recording`)."""
+        return self._cache.batch.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self._cache.batch.record_past = value
 
     @property
     def is_sliding(self) -> bool:

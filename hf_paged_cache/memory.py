@@ -1,13 +1,16 @@
 """How many bytes a KV block costs, how many blocks a memory budget buys, and whether this machine holds them.
 
-For a model with `L` attention layers, `H` key/value heads of width `D`, blocks of `T` tokens and a dtype of
-`s` bytes, one block costs
+Layers are grouped by what they keep (`LayerGroup`): full attention keeps every token, a sliding window
+`W` only the tokens its next query can see. Each group has its own blocks. For a group of `L` attention
+layers, `H` key/value heads of width `D`, blocks of `T` tokens and a dtype of `s` bytes, one block costs
 
     bytes_per_block = 2 x L x H x D x T x s
 
 (the 2 is one key and one value vector per token, head and layer). Models whose key and value widths
 differ (DeepSeek-V3 caches a compressed latent and a rotary key) use `H x (D_key + D_value)` instead of
-`2 x H x D`, summed over layers.
+`2 x H x D`, summed over layers. A row of `n` tokens holds ``ceil(n / T)`` blocks of a full-attention
+group and at most ``ceil(W / T) + 1`` blocks of a sliding group of window `W` (its last ``W - 1``
+positions, plus the block a new token opens).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
 import torch
-from transformers import PreTrainedConfig
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 _UNITS = {
     "": 1,
@@ -63,6 +68,29 @@ def format_memory(num_bytes: float, spec: str = ".1f") -> str:
     raise AssertionError("unreachable")
 
 
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Each decoder layer's sliding window (None for full attention), read from `config`.
+
+    Raises `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that
+    are not plain attention (linear attention, chunked attention, KV sharing, ...).
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
+        )
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise NotImplementedError(
+            f"PagedCache supports attention layers of types {SUPPORTED_LAYER_TYPES}; model type "
+            f"{config.model_type!r} has layers of type {unsupported}"
+        )
+    return [kwargs.get("sliding_window") for kwargs in layer_kwargs]
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """What one attention layer caches per token: `num_heads` key vectors of `key_dim`, values of `value_dim`."""
@@ -73,14 +101,68 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers that cache the same span of tokens, and so share one block table per row."""
+
+    window: int | None  # the sliding window W (a query at p sees keys p - W < k <= p); None = full attention
+    layers: tuple[int, ...]  # the model's layer indices, in order
+
+    @property
+    def name(self) -> str:
+        return "full attention" if self.window is None else f"sliding window {self.window}"
+
+    def blocks_kept(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a left-padded row holds between steps once it stores `num_tokens` tokens.
+
+        Full attention: ``ceil(n / T)``. A sliding window keeps its last ``k = min(n, W - 1)`` tokens, so the
+        blocks from token ``n - k`` on: ``ceil(n / T) - (n - k) // T``.
+        """
+        blocks = blocks_for_tokens(num_tokens, block_size)
+        if self.window is None:
+            return blocks
+        return blocks - (num_tokens - min(num_tokens, max(self.window - 1, 0))) // block_size
+
+    def max_blocks_per_row(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one row of `num_tokens` tokens holds: all of them, or at most ``ceil(W / T) + 1``."""
+        blocks = blocks_for_tokens(num_tokens, block_size)
+        return blocks if self.window is None else min(blocks, blocks_for_tokens(self.window, block_size) + 1)
+
+
+@dataclass(frozen=True)
 class KVLayout:
-    """The per-layer K/V shapes of a model, read from its config."""
+    """The per-layer K/V shapes and attention windows of a model, and its layers grouped by window."""
 
     layers: tuple[LayerShape, ...]
     latent: bool = False  # the cache holds a compressed latent that attention expands after `update` (MLA)
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window; None = all full attention
+
+    def __post_init__(self) -> None:
+        if self.windows is not None and len(self.windows) != len(self.layers):
+            raise ValueError(f"{len(self.windows)} windows given for {len(self.layers)} layers")
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layers grouped by window: full attention first, then each window from the smallest."""
+        windows = self.windows or (None,) * len(self.layers)
+        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        return tuple(LayerGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
+
+    def group_of(self) -> tuple[int, ...]:
+        """Each layer's group index in `groups`."""
+        index = [0] * len(self.layers)
+        for g, group in enumerate(self.groups):
+            for layer_idx in group.layers:
+                index[layer_idx] = g
+        return tuple(index)
+
+    def with_windows(self, windows: Sequence[int | None]) -> KVLayout:
+        return KVLayout(self.layers, self.latent, tuple(windows))
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig) -> KVLayout:
+        """Every layer's K/V shape and window as the config declares them (`NotImplementedError` for a
+        model whose layers are not plain attention, see `attention_windows`)."""
+        windows = tuple(attention_windows(config))
         text = config.get_text_config(decoder=True)
         num_layers = text.num_hidden_layers
         num_heads = text.num_attention_heads
@@ -94,21 +176,69 @@ class KVLayout:
                 kv_heads = text.num_kv_heads
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
             shape = LayerShape(kv_heads, head_dim, head_dim)
-        return cls(layers=(shape,) * num_layers, latent=bool(getattr(text, "kv_lora_rank", None)))
+        latent = bool(getattr(text, "kv_lora_rank", None))
+        return cls(layers=(shape,) * num_layers, latent=latent, windows=windows if any(windows) else None)
+
+    @classmethod
+    def from_model(cls, model: PreTrainedModel) -> KVLayout:
+        """The layout `model` really runs: its config's, with each layer's KV heads as this process holds them.
+
+        Under transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``), each rank holds a
+        share of every layer's key/value heads: the share is read from the local size of the layer's sharded
+        ``k_proj`` weight (a DTensor). Raises `NotImplementedError` when a tensor-parallel model's key
+        projections cannot be found (pass ``pool=`` built for the rank's heads instead).
+        """
+        layout = cls.from_config(model.config)
+        tp_size = getattr(model, "tp_size", None) or 1
+        if tp_size == 1:
+            return layout
+        shares = _key_head_shares(model, layout.num_layers)
+        layers = []
+        for layer_idx, (shape, (local, total)) in enumerate(zip(layout.layers, shares)):
+            heads, remainder = divmod(shape.num_heads * local, total)
+            if remainder or layout.latent:
+                raise NotImplementedError(
+                    f"{type(model).__name__} under tensor parallelism: layer {layer_idx}'s rank holds {local} of "
+                    f"{total} key projection rows, not a whole number of its {shape.num_heads} KV heads"
+                )
+            layers.append(LayerShape(heads, shape.key_dim, shape.value_dim))
+        return cls(tuple(layers), layout.latent, layout.windows)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token costs across all layers (keys and values)."""
+    def bytes_per_token(self, dtype: torch.dtype, group: LayerGroup | None = None) -> int:
+        """Bytes one token costs across all layers, or across `group`'s layers (keys and values)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return sum(layer.num_heads * (layer.key_dim + layer.value_dim) for layer in self.layers) * itemsize
+        layers = self.layers if group is None else [self.layers[i] for i in group.layers]
+        return sum(layer.num_heads * (layer.key_dim + layer.value_dim) for layer in layers) * itemsize
 
 
-def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    """``2 x layers x kv_heads x head_dim x block_size x dtype bytes`` (see the module docstring)."""
-    return layout.bytes_per_token(dtype) * block_size
+def _key_head_shares(model: PreTrainedModel, num_layers: int) -> list[tuple[int, int]]:
+    """Per decoder layer, ``(rows this process holds, rows in all)`` of its ``k_proj`` weight."""
+    from torch.distributed.tensor import DTensor
+
+    shares: dict[int, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.[^.]+\.k_proj$", name)
+        weight = getattr(module, "weight", None)
+        if match and isinstance(weight, torch.Tensor):
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            shares[int(match.group(1))] = (local.shape[0], weight.shape[0])
+    missing = [i for i in range(num_layers) if i not in shares]
+    if missing:
+        raise NotImplementedError(
+            f"PagedCache cannot tell how many key/value heads each tensor-parallel rank of {type(model).__name__} "
+            f"holds (no layers.N.*.k_proj weight for layers {missing}); build the cache with pool=KVPool(...) "
+            "sized for one rank's heads"
+        )
+    return [shares[i] for i in range(num_layers)]
+
+
+def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype, group: LayerGroup | None = None) -> int:
+    """``2 x layers x kv_heads x head_dim x block_size x dtype bytes``, over all layers or one group's."""
+    return layout.bytes_per_token(dtype, group) * block_size
 
 
 def blocks_for_budget(max_memory: int | str, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
@@ -148,21 +278,20 @@ def machine_memory(*, accelerators: bool = True) -> dict[str, int]:
     return places
 
 
-def check_fits_machine(num_blocks: int, per_block: int, asked: str) -> None:
-    """Raise `ValueError` if a pool of `num_blocks` blocks of `per_block` bytes exceeds this machine's memory.
+def check_fits_machine(requested: int, asked: str, detail: str = "") -> None:
+    """Raise `ValueError` if a pool of `requested` bytes exceeds this machine's memory.
 
     The limit is the RAM plus every accelerator's memory (a model spread over several devices keeps each
     layer's tensors beside that layer), so a pool refused here cannot be allocated anywhere on this machine;
     one accepted may still not fit its device, which then fails when the storage is allocated. `asked`
-    names what the caller passed (``"max_memory='100TB'"``).
+    names what the caller passed (``"max_memory='100TB'"``), `detail` how the bytes add up.
     """
-    requested = num_blocks * per_block
     too_big = exceeds_machine(requested)
     if too_big:
         raise ValueError(
-            f"{asked} asks for a KV pool of {requested:,} bytes ({format_memory(requested)}: {num_blocks:,} blocks "
-            f"x {per_block:,} bytes) but this machine has {too_big}. Pass a smaller max_memory= or num_blocks=, "
-            "or neither for a pool that starts small and grows as the sequences need it."
+            f"{asked} asks for a KV pool of {requested:,} bytes ({format_memory(requested)}{detail}) but this "
+            f"machine has {too_big}. Pass a smaller max_memory= or num_blocks=, or neither for a pool that starts "
+            "small and grows as the sequences need it."
         )
 
 

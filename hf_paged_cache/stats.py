@@ -1,7 +1,8 @@
-"""`CacheStats`: the memory one `PagedCache` holds, in blocks, tokens and bytes."""
+"""`CacheStats`: the memory one `PagedCache` holds, in blocks, tokens and bytes, in total and per layer group."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_table import BlockTables
@@ -9,41 +10,75 @@ from .kv_pool import KVPool
 
 
 @dataclass(frozen=True)
-class CacheStats:
-    """Memory held by one `PagedCache` (blocks shared between its rows are counted once)."""
+class GroupStats:
+    """Memory one cache holds in one layer group (blocks shared between its rows counted once)."""
 
+    name: str  # "full attention" or "sliding window W"
+    num_layers: int
     blocks_in_use: int
+    max_blocks_per_row: int  # the most blocks one row holds
+    bytes_per_block: int  # this group's layers only
+    bytes_reserved: int  # blocks_in_use x bytes_per_block
+    bytes_used: int  # bytes of the block slots that hold a token
+    pool_blocks: int  # the group's (shared) block pool size, the null block included
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Memory held by one `PagedCache`: totals over its layer groups (`groups` has each one)."""
+
+    blocks_in_use: int  # over all groups
     tokens_stored: int  # real tokens over all rows (a shared prefix counts once per row)
-    bytes_reserved: int  # blocks_in_use x bytes per block
+    bytes_reserved: int  # sum over groups of blocks in use x that group's bytes per block
     bytes_used: int  # bytes of the block slots that hold a token
     pool_bytes: int  # K/V tensors allocated for the whole (shared) pool so far
     utilization: float  # bytes_used / bytes_reserved (1.0 for an empty cache)
     prefix_hits: int  # pool-wide: full blocks found by prefix lookups
     prefix_misses: int  # pool-wide: full blocks looked up and not found
     prefix_evictions: int  # pool-wide: cached blocks given up to make room
-    pool_blocks: int  # the (shared) pool's current size in blocks, the null block included
+    pool_blocks: int  # the (shared) pool's current size in blocks (its first group), the null block included
     pool_max_blocks: int | None  # its cap: pool_blocks for a fixed pool, None for an elastic one
-    pool_grows: int  # times the (elastic) pool has grown
+    pool_grows: int  # times the (elastic) pool has grown, all groups together
+    groups: tuple[GroupStats, ...] = ()
 
     @classmethod
-    def of(cls, tables: BlockTables, pool: KVPool) -> CacheStats:
-        """What the rows of `tables` hold in `pool` right now."""
-        filled = tables.unique_blocks()
-        per_block = pool.bytes_per_block
-        reserved = len(filled) * per_block
-        used = sum(filled.values()) * per_block // pool.block_size
-        prefix = pool.blocks.prefix_stats()
+    def of(cls, groups: Sequence[BlockTables], pool: KVPool) -> CacheStats:
+        """What the rows of `groups` (one `BlockTables` per layer group of `pool`) hold right now."""
+        per_group = []
+        for g, (tables, layer_group) in enumerate(zip(groups, pool.layer_groups)):
+            filled = tables.unique_blocks()
+            per_block = pool.group_bytes_per_block(g)
+            held = [sum(b != 0 for b in table) for table in tables.tables]
+            per_group.append(
+                GroupStats(
+                    name=layer_group.name,
+                    num_layers=len(layer_group.layers),
+                    blocks_in_use=len(filled),
+                    max_blocks_per_row=max(held, default=0),
+                    bytes_per_block=per_block,
+                    bytes_reserved=len(filled) * per_block,
+                    bytes_used=sum(filled.values()) * per_block // pool.block_size,
+                    pool_blocks=tables.blocks.num_blocks,
+                )
+            )
+        reserved = sum(g.bytes_reserved for g in per_group)
+        used = sum(g.bytes_used for g in per_group)
+        hits = misses = evictions = 0
+        for blocks in pool.groups:
+            prefix = blocks.prefix_stats()
+            hits, misses, evictions = hits + prefix.hits, misses + prefix.misses, evictions + prefix.evictions
         return cls(
-            blocks_in_use=len(filled),
-            tokens_stored=sum(tables.num_tokens),
+            blocks_in_use=sum(g.blocks_in_use for g in per_group),
+            tokens_stored=sum(groups[0].num_tokens),
             bytes_reserved=reserved,
             bytes_used=used,
             pool_bytes=pool.storage_bytes(),
             utilization=used / reserved if reserved else 1.0,
-            prefix_hits=prefix.hits,
-            prefix_misses=prefix.misses,
-            prefix_evictions=prefix.evictions,
+            prefix_hits=hits,
+            prefix_misses=misses,
+            prefix_evictions=evictions,
             pool_blocks=pool.num_blocks,
             pool_max_blocks=pool.max_blocks,
             pool_grows=pool.grow_count,
+            groups=tuple(per_group),
         )

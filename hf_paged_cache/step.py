@@ -1,9 +1,15 @@
 """Planning one forward: which blocks its new tokens take, and which pool slot every position reads.
 
 A forward calls ``cache.update`` once per layer with the same batch of new tokens. The first layer plans
-the step for all of them (`plan_step`): it takes blocks for the real new tokens (all or nothing) and
-records which positions are padding. Each device then gets one `StepIndex` of slot ids (`build_index`),
-shared by every layer on that device and by keys and values alike.
+the step for all of them (`PagedBatch.begin`, `plan_group`): in every layer group it takes blocks for the
+real new tokens (all or nothing) and records which positions are padding. Each group and device then gets
+one `StepIndex` of slot ids (`build_index`), shared by the group's layers on that device and by keys and
+values alike.
+
+A sliding-window group stores only the tokens its next queries can see (`keep_from`): in a step longer
+than the window (a long prefill), the earliest new tokens get no slot. The step's own queries still see
+them: attention then takes the step's new keys and values from the layer's states (`new_from_states`)
+and only the past ones from the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from .block_attention import QueryRows, RowKeys
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
+from .errors import PoolExhaustedError
 from .kv_pool import KVPool
 
 
@@ -27,32 +34,40 @@ class StepIndex:
     read_slots: torch.Tensor  # [B, L + q] pool slot of every position (padding -> null block)
     is_real: torch.Tensor  # [B, L + q] False where a position is padding
     past_length: int  # L: positions before this step's
+    new_from_states: bool = False  # some real new tokens have no slot: attention reads new K/V from the states
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
     _row_keys: dict[tuple[int, int], RowKeys] = field(default_factory=dict)  # row_keys, per (offset, heads)
     _queries: QueryRows | None = None
 
+    @property
+    def pool_end(self) -> int:
+        """Positions read from the pool end here: all of them, or the past only when new K/V come from the states."""
+        return self.past_length if self.new_from_states else self.is_real.shape[1]
+
     def read_rows(self, offset: int, num_heads: int) -> torch.Tensor:
-        """``[B, H, kv_length]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:``.
+        """``[B, H, kv]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:pool_end``.
 
         Head-major (row ``slot * H + head``), so the gather yields the contiguous per-head layout that
         `DynamicCache` holds and SDPA reads fastest. Computed once per step for all layers alike.
         """
         rows = self._rows.get((offset, num_heads))
         if rows is None:
-            rows = self._rows[(offset, num_heads)] = head_major_rows(self.read_slots[:, offset:], num_heads)
+            slots = self.read_slots[:, offset : self.pool_end]  # [B, kv]
+            rows = self._rows[(offset, num_heads)] = head_major_rows(slots, num_heads)
         return rows
 
     def row_keys(self, offset: int, num_heads: int) -> RowKeys:
-        """Each row's real keys from position `offset` on, as storage rows and positions (no padding).
+        """Each row's real keys in positions ``offset:pool_end``, as storage rows and positions (no padding).
 
         Computed once per step for all layers alike, with one nonzero and one split for the whole batch.
         """
         keys = self._row_keys.get((offset, num_heads))
         if keys is None:
-            real = self.is_real[:, offset:]  # [B, kv]
+            real = self.is_real[:, offset : self.pool_end]  # [B, kv]
             counts = real.sum(dim=1).tolist()  # n_b per row
             positions = real.nonzero()[:, 1] + offset  # [N] row-major, so rows come in order
-            rows = head_major_rows(self.read_slots[:, offset:][real].unsqueeze(0), num_heads)[0]  # [H, N]
+            slots = self.read_slots[:, offset : self.pool_end][real]  # [N]
+            rows = head_major_rows(slots.unsqueeze(0), num_heads)[0]  # [H, N]
             flat, spans, start = positions.tolist(), [], 0
             for count in counts:
                 spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
@@ -106,9 +121,11 @@ class Step:
     past_length: int
     all_real: bool  # no padding among the new tokens
     undo: StepUndo
+    keep_from: list[list[int] | None]  # per group, each row's first token kept (sliding windows); None = all
+    writers: torch.Tensor | None = None  # [B] rows that write their tokens (a repeated row shares the first's)
     from_pool: bool = False  # attention (paged_sdpa) reads K/V straight from the pool: no dense gather
     layers_done: int = 0
-    index: dict[torch.device, StepIndex] = field(default_factory=dict)
+    index: dict[tuple[int, torch.device], StepIndex] = field(default_factory=dict)  # per (group, device)
 
     @property
     def length(self) -> int:
@@ -119,7 +136,7 @@ class Step:
 class StepUndo:
     """The cache as it was before a step began."""
 
-    tables: TablesSavepoint
+    tables: list[TablesSavepoint]  # per layer group
     is_real: torch.Tensor  # [B, L] the padding mask before the step
 
 
@@ -160,53 +177,75 @@ def prefix_token_ids(
     ]
 
 
-def plan_step(
+def keep_from(is_real: torch.Tensor, window: int | None) -> list[int] | None:
+    """Each row's first token that a sliding window of `window` still needs after a step (None: all of them).
+
+    The next query sits at position ``L`` (`is_real` is ``[B, L]`` after the step) and sees keys
+    ``k > L - W``: the tokens before that position are no longer needed.
+    """
+    start = is_real.shape[1] - window + 1 if window is not None else 0
+    if start <= 0:
+        return None
+    return is_real[:, :start].sum(dim=1).tolist()
+
+
+def plan_group(
     tables: BlockTables,
     pool: KVPool,
-    past_length: int,
-    query_length: int,
-    new_real: torch.Tensor | None,
+    group: int,
+    new_tokens: list[int],
     token_ids: list[list[int] | None] | None,
-    undo: StepUndo,
-) -> Step:
-    """Take blocks for a forward's real new tokens (all or nothing) and copy shared last blocks away.
+    keep: list[int] | None,
+) -> None:
+    """Take one layer group's blocks for a step's real new tokens (all or nothing) and copy shared last blocks.
 
     Args:
-        tables: the cache's block tables, one row per sequence of the batch.
-        past_length: logical positions every row has seen so far (padding included).
-        new_real: ``[B, q]`` bool, False where a new token is padding; None when none is.
+        new_tokens: per row of `tables`, its real new tokens.
         token_ids: per row, the real new tokens' ids when they can key prefix blocks (`prefix_token_ids`).
-        undo: what a rollback of this step restores.
+        keep: per row, its first token still needed after the step (`keep_from`); None keeps every token.
     Raises:
-        PoolExhaustedError: the pool cannot supply every block, in which case the tables are unchanged.
+        PoolExhaustedError: the group cannot supply every block, in which case the tables are unchanged.
     """
-    batch_size = tables.batch_size
-    new_tokens = new_real.sum(dim=1).tolist() if new_real is not None else [query_length] * batch_size
-    pairs = tables.append(new_tokens, token_ids)  # raises PoolExhaustedError, changing nothing
-    pool.copy_blocks(pairs)
-    return Step(batch_size, query_length, past_length, all_real=new_real is None, undo=undo)
+    try:
+        pairs = tables.append(new_tokens, token_ids, keep)  # changes nothing when it raises
+    except PoolExhaustedError as error:
+        if len(pool.groups) == 1:
+            raise
+        name = pool.layer_groups[group].name
+        raise PoolExhaustedError(error.needed, error.free, error.total, error.block_size, name) from None
+    pool.copy_blocks(pairs, group)
 
 
 def build_index(
-    step: Step, tables: BlockTables, is_real: torch.Tensor, block_size: int, device: torch.device
+    step: Step, group: int, tables: BlockTables, is_real: torch.Tensor, block_size: int, device: torch.device
 ) -> StepIndex:
-    """The step's write and read slots on `device` (made once per device, then reused by every layer).
+    """Layer group `group`'s write and read slots on `device` (made once, then reused by the group's layers).
 
     Args:
         is_real: ``[B, L + q]`` bool over every position including this step's, False for padding.
     """
-    index = step.index.get(device)
+    index = step.index.get((group, device))
     if index is None:
         is_real = is_real.to(device)  # [B, L + q]
         table = tables.as_tensor(device)  # [B, max_blocks]
         read_slots = slots_for_positions(table, is_real, block_size)  # [B, L + q]
         new_real = is_real[:, step.past_length :]  # [B, q]
-        if step.all_real:
+        written, new_from_states = new_real, False  # [B, q] new tokens that get a slot
+        keep = step.keep_from[group]
+        if keep is not None:
+            token = is_real.cumsum(dim=1)[:, step.past_length :] - 1  # [B, q] each new token's index in its row
+            first = torch.tensor(keep, device=device).div(block_size, rounding_mode="floor") * block_size  # [B]
+            written = new_real & (token >= first.unsqueeze(1))  # tokens before the first kept block get no slot
+            new_from_states = bool((written != new_real).any())
+        if step.writers is not None:
+            written = written & step.writers.to(device).unsqueeze(1)  # a repeated row's tokens are the first's
+        if written is new_real and step.all_real:
             write_slots, write_rows = read_slots[:, step.past_length :].reshape(-1), None
         else:
-            write_slots = read_slots[:, step.past_length :][new_real]  # [N]
-            write_rows = new_real.reshape(-1).nonzero().squeeze(1)  # [N]
-        index = step.index[device] = StepIndex(write_slots, write_rows, read_slots, is_real, step.past_length)
+            write_slots = read_slots[:, step.past_length :][written]  # [N]
+            write_rows = written.reshape(-1).nonzero().squeeze(1)  # [N]
+        index = StepIndex(write_slots, write_rows, read_slots, is_real, step.past_length, new_from_states)
+        step.index[(group, device)] = index
     return index
 
 
