@@ -11,8 +11,9 @@ each layer group ``g`` (layers caching the same span: full attention, or a slidi
                      D = P + n (full);  min(P + n, W - 1) (sliding: DynamicSlidingWindowLayer)
     StaticCache    = B x sum_g per_token_g x S_g   (M = max_cache_len, default P + n)
                      S = M (full);  min(W, M) (sliding: StaticSlidingWindowLayer)
-    PagedCache     = sum_i ceil((p_i + n) / block_size) blocks x per block, over all layers (no padding;
-                     one block table serves every layer, so sliding layers keep every token too)
+    PagedCache     = sum_g sum_i blocks_g(p_i + n) x per block (g)   (no padding; each group its own blocks)
+                     blocks(t) = ceil(t / block_size) (full);  ceil(t / block_size) - (t - k) // block_size
+                     with k = min(t, W - 1) (sliding: the blocks holding the last W - 1 tokens)
     weights        = safetensors bytes (rescaled to the dtype), else parameters x s
     free           = max_memory - weights; rows that fit = rows of this batch's mix whose KV fits in free
 """
@@ -30,11 +31,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .layer import attention_windows
 from .memory import (
     KVLayout,
+    LayerGroup,
     LayerShape,
-    blocks_for_tokens,
     bytes_per_block,
     format_memory,
     parse_memory,
@@ -79,7 +79,7 @@ class MemoryPlan:
     groups: tuple[GroupPlan, ...]
     bytes_per_token: int  # all layers
     bytes_per_block: int  # all layers: one PagedCache block
-    paged_blocks: int  # blocks the batch takes (the pool's null block not included)
+    paged_blocks: int  # blocks the batch takes, all groups together (the pool's null block not included)
     kv_bytes: dict[str, int]  # cache name -> bytes for the whole batch
     weights: WeightEstimate
     max_memory: int | None
@@ -113,12 +113,10 @@ def _name(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- the plan
 
 
-def layer_groups(config: PreTrainedConfig) -> dict[int | None, KVLayout]:
-    """The model's layers grouped by attention window (None = full attention), in order of first layer."""
-    groups: dict[int | None, list[LayerShape]] = {}
-    for window, shape in zip(attention_windows(config), KVLayout.from_config(config).layers, strict=True):
-        groups.setdefault(window, []).append(shape)
-    return {window: KVLayout(tuple(shapes)) for window, shapes in groups.items()}
+def layer_groups(config: PreTrainedConfig) -> dict[LayerGroup, KVLayout]:
+    """The model's layer groups (full attention first, then each window), each with its layers' shapes."""
+    layout = KVLayout.from_config(config)  # NotImplementedError for unsupported models
+    return {group: KVLayout(tuple(layout.layers[i] for i in group.layers)) for group in layout.groups}
 
 
 def dynamic_positions(window: int | None, length: int) -> int:
@@ -175,17 +173,18 @@ def plan_memory(
     if not isinstance(weight_bytes, WeightEstimate):
         weight_bytes = (weights_from_config(config, dtype) if weight_bytes is None
                         else WeightEstimate(int(weight_bytes), "given"))
-    row_blocks = [blocks_for_tokens(p + new_tokens, block_size) for p in lens]  # no padding in PagedCache
-
-    groups = []
-    for window, layout in layouts.items():
+    groups, row_bytes, total_blocks = [], [0] * len(lens), 0  # row_bytes: each row's PagedCache bytes
+    for group, layout in layouts.items():
+        window = group.window
         per_token, per_block = layout.bytes_per_token(dtype), bytes_per_block(layout, block_size, dtype)
+        row_blocks = [group.blocks_kept(p + new_tokens, block_size) for p in lens]  # no padding in PagedCache
+        row_bytes = [total + blocks * per_block for total, blocks in zip(row_bytes, row_blocks)]
+        total_blocks += sum(row_blocks)
         kv = {"DynamicCache": len(lens) * per_token * dynamic_positions(window, padded),
               "StaticCache": len(lens) * per_token * static_positions(window, max_cache_len),
               "PagedCache": sum(row_blocks) * per_block}
-        name = "full attention" if window is None else f"sliding window {window}"
         shapes = tuple(dict.fromkeys(layout.layers))  # distinct, in layer order
-        groups.append(GroupPlan(name, window, layout.num_layers, shapes, per_token, per_block, kv))
+        groups.append(GroupPlan(group.name, window, layout.num_layers, shapes, per_token, per_block, kv))
     kv_bytes = {cache: sum(g.kv_bytes[cache] for g in groups) for cache in CACHES}
     per_block = sum(g.bytes_per_block for g in groups)
 
@@ -194,12 +193,12 @@ def plan_memory(
         max_memory = parse_memory(max_memory)
         free = max_memory - weight_bytes.num_bytes
         fit = {cache: rows_that_fit(free, [kv_bytes[cache] // len(lens)] * len(lens)) for cache in CACHES[:2]}
-        fit["PagedCache"] = rows_that_fit(free // per_block - 1, row_blocks)  # - 1: the pool's null block
+        fit["PagedCache"] = rows_that_fit(free - per_block, row_bytes)  # - per_block: the pool's null block
     return MemoryPlan(
         model=model_name or config.name_or_path or config.model_type, dtype=_name(dtype), block_size=block_size,
         prompt_lens=tuple(lens), new_tokens=new_tokens, max_cache_len=max_cache_len, groups=tuple(groups),
         bytes_per_token=sum(g.bytes_per_token for g in groups), bytes_per_block=per_block,
-        paged_blocks=sum(row_blocks), kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
+        paged_blocks=total_blocks, kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
         rows_that_fit=fit, assumptions=_assumptions(config, groups, max_memory),
     )
 
@@ -230,8 +229,9 @@ def _assumptions(config: PreTrainedConfig, groups: list[GroupPlan], max_memory: 
                      "qk_rope_head_dim as values (transformers 5.24), not per-head keys and values.")
     if any(g.window is not None for g in groups):
         notes.append("Sliding layers: DynamicCache keeps the last W - 1 positions (it holds the whole prompt "
-                     "briefly during prefill); StaticCache allocates min(W, max_cache_len); PagedCache keeps "
-                     "every token on every layer (one block table serves all layers).")
+                     "briefly during prefill); StaticCache allocates min(W, max_cache_len); PagedCache keeps the "
+                     "blocks holding the last W - 1 tokens (its own block tables per group), plus one block "
+                     "during a step.")
     if max_memory is not None:
         notes.append("Free memory = max_memory - weights, all of it for the KV cache: activations, logits, "
                      "workspace, the CUDA context, allocator fragmentation and DynamicCache's torch.cat "

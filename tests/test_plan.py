@@ -95,13 +95,16 @@ def test_sliding_layers_of_gemma3_match_measured_caches():
     prompt_lens, new_tokens, block_size = [30, 9, 17], 6, 4
     plan = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=new_tokens, dtype=torch.float32,
                        block_size=block_size, weight_bytes=0)
-    assert [(g.name, g.num_layers) for g in plan.groups] == [("sliding window 12", 2), ("full attention", 1)]
+    assert [(g.name, g.num_layers) for g in plan.groups] == [("full attention", 1), ("sliding window 12", 2)]
     per_layer = 2 * 16 * 2 * 4  # KV heads x head dim x (K + V) x float32
-    sliding, full = plan.groups
+    full, sliding = plan.groups
     assert sliding.kv_bytes["DynamicCache"] == 2 * 3 * 11 * per_layer  # keeps the last window - 1 positions
     assert sliding.kv_bytes["StaticCache"] == 2 * 3 * 12 * per_layer  # allocates min(window, max_cache_len)
     assert full.kv_bytes["DynamicCache"] == full.kv_bytes["StaticCache"] == 3 * 36 * per_layer
-    assert sliding.kv_bytes["PagedCache"] == 2 * full.kv_bytes["PagedCache"]  # PagedCache keeps every token
+    # rows store 36, 15 and 23 tokens: 9 + 4 + 6 blocks of 4 tokens with full attention; the sliding layers keep
+    # the blocks holding each row's last 11 tokens (tokens 25-35: blocks 6-8; 4-14: 1-3; 12-22: 3-5)
+    assert full.kv_bytes["PagedCache"] == (9 + 4 + 6) * block_size * per_layer
+    assert sliding.kv_bytes["PagedCache"] == 2 * (3 + 3 + 3) * block_size * per_layer
     measured = measure(model, prompt_lens, new_tokens, block_size)
     assert_close(plan.kv_bytes, measured)
     assert any("W - 1" in note for note in plan.assumptions)
