@@ -1,0 +1,39 @@
+"""PagedCache under transformers' tensor parallelism: each rank caches its share of the KV heads.
+
+Two processes (``torchrun``, gloo on CPU) load the same tiny Llama with ``tp_plan="auto"``; each rank's
+tokens must match one process with DynamicCache, and its pool must hold 1 of the model's 2 KV heads.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tiny_models import ragged_batch, tiny_model
+from transformers import DynamicCache
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    model = tiny_model("llama")  # 4 query heads, 2 KV heads: one per rank
+    model.save_pretrained(tmp_path / "model")
+    batch = ragged_batch([0, 3], 10)
+    (tmp_path / "model" / "batch.json").write_text(json.dumps({k: v.tolist() for k, v in batch.items()}))
+    expected = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=DynamicCache(config=model.config))
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    run = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(WORKER), str(tmp_path / "model"),
+         str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["kv_heads"] == [1, 1]  # each rank holds half of the 2 KV heads of each layer
+        for name in ("dynamic", "paged", "paged_sdpa"):
+            assert torch.equal(torch.tensor(result[name]), expected), name
