@@ -6,6 +6,7 @@ tokens must match one process with DynamicCache, and its pool must hold 1 of the
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,17 @@ def test_two_ranks_match_one_process(tmp_path):
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
-    run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(WORKER), str(tmp_path / "model"),
-         str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180, check=False,
+    # its own session, so a timeout can stop torchrun and both ranks together
+    run = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(WORKER), str(tmp_path / "model"), str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    assert run.returncode == 0, run.stderr[-4000:]
+    try:
+        _, stderr = run.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        raise
+    assert run.returncode == 0, stderr[-4000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["kv_heads"] == [1, 1]  # each rank holds half of the 2 KV heads of each layer
