@@ -10,7 +10,8 @@ from .block_pool import BlockPool
 from .cache import CacheStats, PagedCache
 from .errors import KVMemoryError, PoolExhaustedError
 from .kv_pool import KVPool
-from .memory import KVLayout, bytes_per_block, parse_memory
+from .memory import KVLayout, LayerGroup, LayerShape, bytes_per_block, parse_memory
+from .stats import GroupStats
 
 register_paged_attention()
 
@@ -18,9 +19,12 @@ __all__ = [
     "ATTENTION_NAME",
     "BlockPool",
     "CacheStats",
+    "GroupStats",
     "KVLayout",
     "KVMemoryError",
     "KVPool",
+    "LayerGroup",
+    "LayerShape",
     "PagedCache",
     "PoolExhaustedError",
     "bytes_per_block",

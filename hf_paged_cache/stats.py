@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .block_pool import NULL_BLOCK
 from .block_table import BlockTables
 from .kv_pool import KVPool
 
@@ -48,7 +49,7 @@ class CacheStats:
         for g, (tables, layer_group) in enumerate(zip(groups, pool.layer_groups)):
             filled = tables.unique_blocks()
             per_block = pool.group_bytes_per_block(g)
-            held = [sum(b != 0 for b in table) for table in tables.tables]
+            held = [sum(b != NULL_BLOCK for b in table) for table in tables.tables]
             per_group.append(
                 GroupStats(
                     name=layer_group.name,

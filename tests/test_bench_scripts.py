@@ -306,3 +306,32 @@ def test_default_model_ragged_chat_batch_paged_matches_dynamic(monkeypatch: pyte
         with PagedCache(model) as cache:
             paged = model.generate(**inputs, cache=cache, **kwargs)
     assert torch.equal(paged, reference)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tiny_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Gemma 3 (two layers sliding over 12 positions, one full) with the tiny tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    tiny_model("gemma3_text").save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(path)
+    return str(path)
+
+
+def test_bench_layer_groups(tiny_gemma3_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_gemma3_dir, "--long", "40", "--short", "10", "--new-tokens", "4", "--decode-prompt",
+            "20", "--decode-tokens", "30", "--samples-prompt", "30", "--block-size", "4"]
+    results = run_script("bench_layer_groups", args, results_dir / "layer_groups.json")
+    scenarios = results["scenarios"]
+    assert set(scenarios) == {"one_prompt", "ragged", "long_decode", "samples"}
+    for name, r in scenarios.items():
+        assert r["tokens_identical"], name
+        assert 0 < r["paged"]["sliding_blocks_peak"] <= math.ceil(12 / 4) + 1, name
+    # one prompt of 40 + 3 fed tokens: 11 blocks of the full layer, the sliding layers' last 11 tokens (32-42)
+    per_layer_block = 2 * 16 * 2 * 4 * 4  # KV heads x head dim x (K + V) x float32 x 4 tokens
+    paged = scenarios["one_prompt"]["paged"]
+    assert paged["held_end"] == 11 * per_layer_block + 3 * 2 * per_layer_block
+    assert scenarios["one_prompt"]["dynamic"]["held_end"] == (43 + 2 * 11) * per_layer_block // 4
+    assert scenarios["samples"]["copies_ratio"] < 8 / 2  # the prompt is stored once, not 8 times
+

@@ -12,6 +12,8 @@ import torch
 from transformers import DynamicCache, StoppingCriteria
 
 from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache.models.gemma3 import GEMMA3_DIRNAME
+from hf_paged_cache.models.offline import default_cache_dir
 from tiny_models import VOCAB, ragged_batch, tiny_model
 
 SLIDING_MODELS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2"]
@@ -193,3 +195,39 @@ def test_a_sliding_group_out_of_blocks_changes_nothing():
         assert cache.get_seq_length() == 0 and cache.batch_size == 0
         model(**ragged_batch([0], PROMPT), cache=cache)  # one row fits
         assert [blocks.num_used for blocks in pool.groups] == [10, 3]
+
+
+GEMMA3_DIR = default_cache_dir() / GEMMA3_DIRNAME
+
+
+@pytest.mark.skipif(
+    not (GEMMA3_DIR / "config.json").is_file(),
+    reason="Gemma-3-270m is not converted on this machine (python scripts/bench_layer_groups.py --model "
+    "gemma-3-270m converts it, about 100 s)",
+)
+@pytest.mark.parametrize("attention", ["sdpa", "paged_sdpa"])
+def test_gemma3_270m_ragged_batch_beyond_the_window(attention):
+    """Real weights: 15 of 18 layers slide over 512 tokens; prompts of 700, 530 and 90 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(GEMMA3_DIR, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if attention == "paged_sdpa":
+        set_paged_attention(model)
+    lengths = [700, 530, 90]
+    ids = torch.zeros(3, 700, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    generator = torch.Generator().manual_seed(0)
+    for row, length in enumerate(lengths):
+        ids[row, 700 - length :] = torch.randint(1000, 200_000, (length,), generator=generator)
+        mask[row, 700 - length :] = 1
+    results = []
+    for cache in (DynamicCache(config=model.config), PagedCache(model)):
+        results.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                      cache=cache, return_dict_in_generate=True, output_scores=True))
+    reference, paged = results
+    torch.testing.assert_close(paged.sequences, reference.sequences, rtol=0, atol=0)
+    for ours, theirs in zip(paged.scores, reference.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    blocks = paged.cache.stats().groups
+    assert [g.name for g in blocks] == ["full attention", "sliding window 512"]
+    assert blocks[1].max_blocks_per_row <= math.ceil(512 / 16) + 1
