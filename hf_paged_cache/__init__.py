@@ -6,8 +6,10 @@ from .attention import (
     register_paged_attention,
     set_paged_attention,
 )
+from .batcher import ContinuousBatcher, generate_many
 from .block_pool import BlockPool
 from .cache import CacheStats, PagedCache
+from .request import RequestHandle
 from .errors import KVMemoryError, PoolExhaustedError
 from .kv_pool import KVPool
 from .memory import KVLayout, LayerGroup, LayerShape, bytes_per_block, parse_memory
@@ -19,6 +21,7 @@ __all__ = [
     "ATTENTION_NAME",
     "BlockPool",
     "CacheStats",
+    "ContinuousBatcher",
     "GroupStats",
     "KVLayout",
     "KVMemoryError",
@@ -27,7 +30,9 @@ __all__ = [
     "LayerShape",
     "PagedCache",
     "PoolExhaustedError",
+    "RequestHandle",
     "bytes_per_block",
+    "generate_many",
     "paged_sdpa_attention",
     "parse_memory",
     "register_paged_attention",

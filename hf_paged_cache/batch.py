@@ -201,6 +201,28 @@ class PagedBatch:
             mine.copy_to(theirs)
         other.is_real = self.is_real.clone()
 
+    def absorb(self, other: PagedBatch) -> int:
+        """Append `other`'s rows (same pool, no step in progress) after these, sharing their blocks.
+
+        Rows stay right-aligned: the side with fewer positions gets left padding, which takes no blocks and
+        keeps each row's real tokens contiguous at its end (so sliding windows see the same tokens). Returns
+        the new number of positions.
+        """
+        length = max(self.is_real.shape[1], other.is_real.shape[1])
+        device = self.is_real.device if self.batch_size else other.is_real.device
+        mine, theirs = (_left_pad(mask.to(device), length) for mask in (self.is_real, other.is_real))
+        for tables, their_tables in zip(self.groups, other.groups):
+            tables.extend_from(their_tables)
+        self.is_real = torch.cat([mine, theirs])  # [B + B', length]
+        return length
+
+    def drop_leading_padding(self) -> int:
+        """Forget the first positions that are padding in every row; returns how many were dropped."""
+        real_columns = self.is_real.any(dim=0).nonzero()
+        drop = int(real_columns[0]) if len(real_columns) else self.is_real.shape[1]
+        self.is_real = self.is_real[:, drop:]
+        return drop
+
     def dense(self, layer_idx: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values from position `offset` on: dense ``[B, H, L - offset, D]`` copies."""
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
@@ -211,6 +233,12 @@ class PagedBatch:
         rows = head_major_rows(slots[:, offset:], keys.shape[1])  # [B, H, L - offset]
         with self.pool.storage_lock.shared():
             return gather(keys, rows), gather(values, rows)
+
+
+def _left_pad(is_real: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, length]``: `is_real` ``[B, L]`` with ``length - L`` padding positions in front."""
+    padding = torch.zeros(is_real.shape[0], length - is_real.shape[1], dtype=torch.bool, device=is_real.device)
+    return torch.cat([padding, is_real], dim=1)
 
 
 def _repeats(

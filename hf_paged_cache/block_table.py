@@ -175,6 +175,16 @@ class BlockTables:
         other.hashes = [list(h) for h in self.hashes]
         self.blocks.incref(_held(b for t in other.tables for b in t))
 
+    def extend_from(self, other: BlockTables) -> None:
+        """Append `other`'s rows (same pool and root) after these, each block held once more (shared)."""
+        if other.blocks is not self.blocks or other.root != self.root:
+            raise ValueError("extend_from needs block tables on the same pool, with the same root")
+        self.blocks.incref(_held(b for t in other.tables for b in t))
+        self.tables += [list(t) for t in other.tables]
+        self.num_tokens += other.num_tokens
+        self.token_ids += [None if t is None else list(t) for t in other.token_ids]
+        self.hashes += [list(h) for h in other.hashes]
+
     def commit(self) -> None:
         """Finish a step: drop the holds on the blocks copied away from, register the blocks it filled, and
         give back the blocks that fell out of a sliding window (registered ones stay findable by prefix)."""

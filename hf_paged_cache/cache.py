@@ -227,6 +227,34 @@ class PagedCache(Cache):
         self._settle()
         self.batch.select(indices)
 
+    def add_rows_from(self, other: PagedCache) -> None:
+        """Move `other`'s sequences (a cache on the same pool) into this one, after its own rows; `other` is left empty.
+
+        No key or value is copied: the rows' blocks change hands. The shorter side is left-padded (padding
+        takes no blocks), so feed the next forward an ``attention_mask`` of ``[cache.is_real, new tokens]``
+        and each row's own ``position_ids``. A continuous batcher adds each newly prefilled request to the
+        running batch this way.
+        """
+        if other.pool is not self.pool or other.batch.tables.root != self.batch.tables.root:
+            raise ValueError("add_rows_from() needs a cache on the same pool, built from the same model")
+        self._settle()
+        other._settle()
+        if not other.batch_size:
+            return
+        length = self.batch.absorb(other.batch)
+        initialized = any(layer.is_initialized for layer in (*self.layers, *other.layers))
+        other.reset()
+        for layer in self.layers:
+            layer.length, layer.is_initialized = length, initialized
+
+    def drop_leading_padding(self) -> int:
+        """Forget the first positions that are padding in every row (after rows left); returns how many."""
+        self._settle()
+        drop = self.batch.drop_leading_padding()
+        for layer in self.layers:
+            layer.length -= drop
+        return drop
+
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
         self.batch.reset()  # an unfinished step's blocks are released with the rest

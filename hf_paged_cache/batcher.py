@@ -1,0 +1,293 @@
+"""`ContinuousBatcher`: many requests on one model and one block pool, admitted and retired at every step.
+
+A background thread runs the loop; each iteration is one step:
+
+1. **admit** waiting requests, oldest first, while the pool has the blocks for their tokens (and fewer than
+   `max_running` are in flight); an admitted request starts from the longest prefix the pool has cached;
+2. **prefill** admitted requests without padding, one forward per request, in chunks so that a step
+   computes at most `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token
+   and joins the running batch by block table (no key or value is copied);
+3. **decode**: one forward for every running request (attention straight from the block tables), each
+   picks its next token; a finished request leaves at once and its blocks go back to the pool (full ones
+   stay findable by prefix).
+
+When the pool runs out in the middle of a decode, the most recently admitted request is preempted: its
+blocks are freed and it waits at the front of the queue, to be computed again (prompt and tokens so far)
+when blocks free up, so its output is what it would have been. A request that cannot fit the pool even
+alone fails on its own handle with `PoolExhaustedError`; the others carry on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import ATTENTION_NAME, set_paged_attention
+from .cache import PagedCache
+from .errors import PoolExhaustedError
+from .kv_pool import KVPool
+from .request import Request, RequestHandle
+
+DEFAULT_MAX_STEP_TOKENS = 512
+DEFAULT_MAX_RUNNING = 64
+
+
+class ContinuousBatcher:
+    """Serve many generation requests at once on `model`, continuously batched on one paged KV pool.
+
+    Args:
+        model: a decoder-only transformers model; it is switched to ``paged_sdpa`` attention when its
+            architecture allows (`set_paged_attention`), which keeps results exact.
+        pool: a `KVPool` to share (else a new one of `num_blocks` / `max_memory`, or elastic with neither).
+        block_size: tokens per block of a new pool.
+        max_running: most requests in flight (prefilling or decoding) at once.
+        max_step_tokens: most prompt tokens prefilled per step (long prompts are prefilled in chunks).
+        tokenizer: needed for ``stop_strings``.
+
+    `submit` is thread-safe and starts the loop on first use; `close` (or leaving ``with``) stops it, fails
+    unfinished requests and gives every block back.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pool: KVPool | None = None,
+        num_blocks: int | None = None,
+        max_memory: int | str | None = None,
+        block_size: int = 16,
+        max_running: int | None = None,
+        max_step_tokens: int | None = None,
+        tokenizer: Any = None,
+    ):
+        self.model = model
+        if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+            try:
+                set_paged_attention(model)
+            except NotImplementedError:
+                pass  # e.g. Falcon: its own attention reads the dense K/V; results are exact either way
+        self.running_cache = PagedCache(
+            model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool
+        )
+        self.pool = self.running_cache.pool
+        self.max_running = max_running or DEFAULT_MAX_RUNNING
+        self.max_step_tokens = max_step_tokens or DEFAULT_MAX_STEP_TOKENS
+        self.tokenizer = tokenizer
+        self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self._ids = itertools.count()
+        self._wakeup = threading.Condition()
+        self._submitted: deque[Request] = deque()  # guarded by _wakeup
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # the loop's own state (only its thread touches it)
+        self._waiting: deque[Request] = deque()
+        self._prefilling: list[tuple[Request, PagedCache, int]] = []  # request, its cache, tokens computed
+        self._running: list[Request] = []  # in the order of the running cache's rows
+        self.preemptions = 0  # requests preempted so far (pool exhausted mid-decode)
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, input_ids: Sequence[int] | torch.Tensor, **generation_kwargs: Any) -> RequestHandle:
+        """Queue one prompt (token ids: a list or a 1-D tensor); returns its handle at once.
+
+        `generation_kwargs` are `GenerationConfig` fields (``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
+        ``eos_token_id``, ``stop_strings``, ...) plus ``seed`` for sampling. Raises `ValueError` /
+        `TypeError` for an empty or too long prompt or an unknown argument, `RuntimeError` once closed.
+        """
+        prompt = _token_list(input_ids)
+        if self.context is not None and len(prompt) >= self.context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the model's context is {self.context}")
+        request = Request(next(self._ids), prompt, self.model, generation_kwargs, self.tokenizer)
+        with self._wakeup:
+            if self._closed:
+                raise RuntimeError("this ContinuousBatcher is closed")
+            self._submitted.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ContinuousBatcher", daemon=True)
+                self._thread.start()
+            self._wakeup.notify()
+        return request.handle
+
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], **generation_kwargs: Any) -> list[list[int]]:
+        """Generate for every prompt; each result is the list of new token ids, in the order of `prompts`."""
+        handles = [self.submit(prompt, **generation_kwargs) for prompt in prompts]
+        return [handle.result() for handle in handles]
+
+    def close(self) -> None:
+        """Stop the loop, fail the requests not finished (`RuntimeError`) and give every block back."""
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+        closed = RuntimeError("the ContinuousBatcher was closed before this request finished")
+        with self._wakeup:
+            leftovers = [*self._submitted, *self._waiting, *(r for r, _, _ in self._prefilling), *self._running]
+            self._submitted.clear()
+        for request in leftovers:
+            request.handle._finish(closed)
+        for _, cache, _ in self._prefilling:
+            cache.release()
+        self._waiting.clear()
+        self._prefilling, self._running = [], []
+        self.running_cache.release()
+
+    def __enter__(self) -> ContinuousBatcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._closed and not (self._submitted or self._waiting or self._prefilling or self._running):
+                    self._wakeup.wait()
+                if self._closed:
+                    return
+                self._waiting.extend(self._submitted)
+                self._submitted.clear()
+            with torch.no_grad():
+                self._admit()
+                self._prefill()
+                self._decode()
+
+    def _admit(self) -> None:
+        """Start waiting requests, oldest first, while the pool can hold their tokens."""
+        while self._waiting and len(self._prefilling) + len(self._running) < self.max_running:
+            request = self._waiting[0]
+            needed = self._blocks_needed(len(request.tokens) + 1)
+            if any(n > blocks.capacity and blocks.max_blocks is not None for n, blocks in zip(needed, self.pool.groups)):
+                self._waiting.popleft()
+                request.handle._finish(PoolExhaustedError(
+                    max(needed), min(b.capacity for b in self.pool.groups), min(b.capacity for b in self.pool.groups),
+                    self.pool.block_size,
+                ))
+                continue
+            if not all(blocks.can_allocate(n) for n, blocks in zip(needed, self.pool.groups)):
+                return
+            self._waiting.popleft()
+            cache = PagedCache(self.model, pool=self.pool)
+            done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
+            self._prefilling.append((request, cache, done))
+
+    def _blocks_needed(self, num_tokens: int) -> list[int]:
+        return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
+
+    def _prefill(self) -> None:
+        """Compute up to `max_step_tokens` prompt tokens; requests whose prompt is done join the running batch."""
+        budget, still = self.max_step_tokens, []
+        for index, (request, cache, done) in enumerate(self._prefilling):
+            tokens = request.tokens
+            if budget <= 0:
+                still.append((request, cache, done))
+                continue
+            chunk = tokens[done : done + budget]
+            try:
+                out = self.model(
+                    input_ids=torch.tensor([chunk], device=self.model.device),
+                    position_ids=torch.arange(done, done + len(chunk), device=self.model.device).unsqueeze(0),
+                    cache=cache, use_cache=True, logits_to_keep=1,
+                )
+            except PoolExhaustedError as error:
+                cache.release()
+                if not self._running and len(self._prefilling) == 1:
+                    request.handle._finish(error)  # alone and still too big: it can never fit
+                else:
+                    self._waiting.appendleft(request)  # retry when blocks free up
+                still.extend(self._prefilling[index + 1 :])
+                break
+            except Exception as error:  # noqa: BLE001 (the request's own failure, reported on its handle)
+                cache.release()
+                request.handle._finish(error)
+                continue
+            budget -= len(chunk)
+            done += len(chunk)
+            if done < len(tokens):
+                still.append((request, cache, done))
+                continue
+            _, finished = request.choose(out.logits[0, -1])
+            if finished:
+                cache.release()
+                request.handle._finish()
+            else:
+                self.running_cache.add_rows_from(cache)
+                self._running.append(request)
+        self._prefilling = still
+
+    def _decode(self) -> None:
+        """One forward for every running request; finished ones leave at once."""
+        while self._running:
+            cache = self.running_cache
+            device = self.model.device
+            input_ids = torch.tensor([[r.generated[-1]] for r in self._running], device=device)  # [B, 1]
+            mask = torch.cat([cache.is_real.to(device), torch.ones_like(input_ids, dtype=torch.bool)], dim=1)
+            positions = torch.tensor([[len(r.tokens) - 1] for r in self._running], device=device)  # [B, 1]
+            try:
+                out = self.model(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions,
+                                 cache=cache, use_cache=True)
+            except PoolExhaustedError as error:
+                if len(self._running) == 1:
+                    self._retire([0], error)
+                    return
+                self._preempt()
+                continue
+            except Exception as error:  # noqa: BLE001 (a batched forward: every running request failed)
+                self._retire(list(range(len(self._running))), error)
+                return
+            finished = [row for row, request in enumerate(self._running) if request.choose(out.logits[row, -1])[1]]
+            self._retire(finished)
+            return
+
+    def _retire(self, rows: list[int], error: BaseException | None = None) -> None:
+        """Finish the requests of running rows `rows` and drop them from the running cache."""
+        if not rows:
+            return
+        for row in rows:
+            self._running[row].handle._finish(error)
+        keep = [row for row in range(len(self._running)) if row not in set(rows)]
+        self._running = [self._running[row] for row in keep]
+        self.running_cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
+        self.running_cache.drop_leading_padding()
+
+    def _preempt(self) -> None:
+        """Free the newest running request's blocks and queue it first, to be computed again later."""
+        request = self._running.pop()
+        self.preemptions += 1
+        self.running_cache.batch_select_indices(torch.arange(len(self._running)))
+        self.running_cache.drop_leading_padding()
+        self._waiting.appendleft(request)
+
+
+def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torch.Tensor], **kwargs: Any) -> list[list[int]]:
+    """`ContinuousBatcher.generate` with a batcher built for this one call (batcher arguments go to it)."""
+    batcher_kwargs = {name: kwargs.pop(name) for name in _BATCHER_ARGUMENTS if name in kwargs}
+    with ContinuousBatcher(model, **batcher_kwargs) as batcher:
+        return batcher.generate(prompts, **kwargs)
+
+
+_BATCHER_ARGUMENTS = ("pool", "num_blocks", "max_memory", "block_size", "max_running", "max_step_tokens", "tokenizer")
+
+
+def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """`input_ids` as a list of ints: a 1-D integer tensor or a sequence of ints, not empty."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim != 1 or input_ids.is_floating_point():
+            raise ValueError(f"submit() takes a 1-D integer tensor of token ids, got shape {tuple(input_ids.shape)}")
+        ids = input_ids.tolist()
+    else:
+        ids = list(input_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("submit() takes token ids: a list of ints or a 1-D integer tensor")
+    if not ids:
+        raise ValueError("submit() needs a prompt of at least one token")
+    return ids

@@ -1,0 +1,152 @@
+"""ContinuousBatcher: many requests on one pool give what each would get from generate() alone."""
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged_cache import ContinuousBatcher, PoolExhaustedError, generate_many
+from tiny_models import VOCAB, tiny_model
+
+ARCHITECTURES = ["llama", "gemma3_text", "qwen2"]  # gemma3_text: sliding-window and full layers
+
+
+def requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """`count` ragged prompts (3 to 40 tokens) with their own max_new_tokens (1 to 16)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        length = int(torch.randint(3, 41, (1,), generator=generator))
+        prompt = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        out.append((prompt, int(torch.randint(1, 17, (1,), generator=generator))))
+    return out
+
+
+def alone(model, prompt: list[int], **kwargs) -> list[int]:
+    """What generate() with a DynamicCache gives for this request alone."""
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                         do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_pool_empty(batcher):
+    assert all(blocks.num_used == 0 for blocks in batcher.pool.groups)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_32_requests_from_4_threads_match_generate_alone(model_type):
+    model = tiny_model(model_type)
+    work = requests(32)
+    expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
+    results: dict[int, list[int]] = {}
+    with ContinuousBatcher(model, block_size=4, max_step_tokens=48, max_running=12) as batcher:
+
+        def client(first: int) -> None:
+            handles = [(i, batcher.submit(work[i][0], max_new_tokens=work[i][1])) for i in range(first, 32, 4)]
+            for i, handle in handles:
+                results[i] = handle.result(timeout=120)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert [results[i] for i in range(32)] == expected
+    assert_pool_empty(batcher)
+
+
+def test_preemption_keeps_outputs_identical():
+    """A pool too small for every request at once: the newest is preempted, recomputed later, same tokens."""
+    model = tiny_model("llama")
+    work = requests(10, seed=1)
+    expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
+    with ContinuousBatcher(model, block_size=4, num_blocks=30, max_running=10) as batcher:
+        handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        assert [h.result(timeout=120) for h in handles] == expected
+        assert batcher.preemptions > 0
+    assert_pool_empty(batcher)
+
+
+def test_sampling_is_reproducible_whatever_else_runs():
+    model = tiny_model("llama")
+    prompt = requests(1, seed=2)[0][0]
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=7)
+    with ContinuousBatcher(model, block_size=4) as batcher:
+        lone = batcher.submit(prompt, **kwargs).result(timeout=60)
+        crowd = [batcher.submit(p, max_new_tokens=n, do_sample=True, seed=i) for i, (p, n) in enumerate(requests(8))]
+        again = batcher.submit(prompt, **kwargs).result(timeout=60)
+        for handle in crowd:
+            handle.result(timeout=60)
+        other_seed = batcher.submit(prompt, **{**kwargs, "seed": 8}).result(timeout=60)
+    assert lone == again and lone != other_seed
+
+
+def test_generation_settings_come_from_transformers():
+    """Repetition penalty, min_new_tokens and EOS behave as in generate()."""
+    model = tiny_model("llama")
+    prompt = requests(1, seed=3)[0][0]
+    first = alone(model, prompt, max_new_tokens=6)
+    settings = [
+        dict(max_new_tokens=10, repetition_penalty=1.5),
+        dict(max_new_tokens=10, eos_token_id=first[2]),  # stops at the third token
+        dict(max_new_tokens=10, eos_token_id=first[0], min_new_tokens=4),  # EOS banned for 4 tokens
+    ]
+    with ContinuousBatcher(model) as batcher:
+        got = [batcher.submit(prompt, **kwargs).result(timeout=60) for kwargs in settings]
+    assert got == [alone(model, prompt, **kwargs) for kwargs in settings]
+    assert len(got[1]) == 3
+
+
+def test_streaming_a_handle():
+    model = tiny_model("llama")
+    prompt = requests(1, seed=4)[0][0]
+    with ContinuousBatcher(model) as batcher:
+        handle = batcher.submit(torch.tensor(prompt), max_new_tokens=7)
+        assert list(handle) == handle.result() == alone(model, prompt, max_new_tokens=7)
+
+
+def test_bad_requests_fail_alone():
+    model = tiny_model("llama")  # context 256
+    work = requests(4, seed=5)
+    with ContinuousBatcher(model, block_size=4, num_blocks=20) as batcher:  # 19 blocks: 76 tokens
+        with pytest.raises(ValueError, match="at least one token"):
+            batcher.submit([])
+        with pytest.raises(ValueError, match="context is 256"):
+            batcher.submit(list(range(3, 3 + 90)) * 3)
+        with pytest.raises(TypeError, match="unknown generation argument.*max_new_tokenz"):
+            batcher.submit([5, 6], max_new_tokenz=3)
+        too_big = batcher.submit([5] * 100, max_new_tokens=2)  # 100 tokens: more than the whole pool
+        fine = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        with pytest.raises(PoolExhaustedError):
+            too_big.result(timeout=60)
+        assert [h.result(timeout=60) for h in fine] == [alone(model, p, max_new_tokens=n) for p, n in work]
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit([5, 6])
+    assert_pool_empty(batcher)
+
+
+def test_close_fails_unfinished_requests_and_frees_every_block():
+    model = tiny_model("llama")
+    batcher = ContinuousBatcher(model, block_size=4, max_running=1)
+    handles = [batcher.submit(prompt, max_new_tokens=16) for prompt, _ in requests(6)]
+    batcher.close()
+    unfinished = [h for h in handles if h._error is not None]
+    for handle in unfinished:
+        with pytest.raises(RuntimeError, match="closed before this request finished"):
+            handle.result(timeout=1)
+    assert all(h.done() for h in handles)
+    assert_pool_empty(batcher)
+
+
+def test_generate_many_and_a_shared_prefix():
+    model = tiny_model("llama")
+    system = list(range(3, 3 + 32))  # 8 full blocks of 4 tokens, computed once
+    prompts = [system + [40 + i, 50 + i] for i in range(4)]
+    expected = [alone(model, p, max_new_tokens=5) for p in prompts]
+    with ContinuousBatcher(model, block_size=4, max_running=1) as batcher:
+        assert batcher.generate(prompts, max_new_tokens=5) == expected
+        stats = batcher.running_cache.stats()
+    assert stats.prefix_hits >= 3 * 8  # requests 2-4 found the system prompt's 8 blocks
+    assert generate_many(model, prompts, max_new_tokens=5, block_size=4) == expected
