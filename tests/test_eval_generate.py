@@ -80,7 +80,7 @@ def test_eval_generate_script(tmp_path):
     out = tmp_path / "gen.json"
     results = script.main(
         ["--model", str(model_dir), "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "6",
-         "--json", str(out)]
+         "--json", str(out), "--batcher"]
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert results["summary"]["exact_match_rate"] == 1.0
@@ -88,6 +88,8 @@ def test_eval_generate_script(tmp_path):
     assert results["settings"]["chat_template"] is True
     assert [p["id"] for p in results["per_prompt"]] == ["p1", "p9", "p3", "p14", "p2"]
     assert len(results["batches"]) == 3
+    assert results["batcher"]["exact_matches"] == 5  # every prompt through the ContinuousBatcher too
+    assert results["batcher"]["seconds"] > 0
 
 
 def test_shipped_prompts_are_valid():

@@ -104,3 +104,12 @@ def test_hf_paged_matches_hf(model_dir, monkeypatch):
     gen_paged = sorted(paged["samples"]["paged_tiny_gen"], key=lambda s: s["doc_id"])
     assert [s["resps"] for s in gen_paged] == [s["resps"] for s in gen_plain]
     assert all(s["resps"][0][0] for s in gen_paged)  # something was generated
+
+
+def test_hf_paged_generation_through_the_batcher(model_dir):
+    plain = evaluate("hf", model_dir)
+    batched = evaluate("hf-paged", model_dir, ",batcher=True")
+    gen_plain = sorted(plain["samples"]["paged_tiny_gen"], key=lambda s: s["doc_id"])
+    gen_batched = sorted(batched["samples"]["paged_tiny_gen"], key=lambda s: s["doc_id"])
+    assert [s["resps"] for s in gen_batched] == [s["resps"] for s in gen_plain]
+    assert batched["results"]["paged_tiny_mc"]["acc,none"] == plain["results"]["paged_tiny_mc"]["acc,none"]

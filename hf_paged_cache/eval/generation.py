@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..batcher import ContinuousBatcher
 from ..cache import PagedCache
 from .perplexity import cache_bytes, num_blocks_for
 
@@ -267,3 +268,33 @@ def compare_generation(
         dynamic_tokens=dynamic_tokens,
         paged_tokens=paged_tokens,
     )
+
+
+@dataclass(frozen=True)
+class BatcherRun:
+    """Greedy generation of every prompt through a `ContinuousBatcher` (:func:`batcher_generation`)."""
+
+    tokens: list[list[int]]  # generated ids per prompt, up to and including an EOS
+    seconds: float
+    cpu_seconds: float
+
+
+def batcher_generation(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, block_size: int = 16
+) -> BatcherRun:
+    """Every prompt as one request of a `ContinuousBatcher` (greedy), all submitted at once.
+
+    The batcher switches `model` to ``paged_sdpa`` attention (exact either way).
+    """
+    start, start_cpu = time.perf_counter(), time.process_time()
+    with ContinuousBatcher(model, block_size=block_size) as batcher:
+        tokens = batcher.generate(prompts, max_new_tokens=max_new_tokens, do_sample=False)
+    return BatcherRun(tokens, time.perf_counter() - start, time.process_time() - start_cpu)
+
+
+def until_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """`tokens` up to and including the first EOS (``generate`` pads a finished row after it)."""
+    for index, token in enumerate(tokens):
+        if token in eos_ids:
+            return list(tokens[: index + 1])
+    return list(tokens)

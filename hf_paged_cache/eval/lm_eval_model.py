@@ -27,8 +27,12 @@ or run the harness's command line with the model type registered::
   sized for the batch (rows x beams/return sequences x ``ceil(max_length / block_size) + 1`` blocks);
   left padding takes no blocks.
 
-Extra ``model_args``: ``block_size`` (tokens per block, default 16) and ``prefill_chunk_size`` (default:
-whole batch in one forward).  Seq2seq models and ``mixed_precision_dtype`` (autocast: keys and values
+With ``batcher=True``, ``generate_until`` runs through a `ContinuousBatcher` instead: each row of the
+harness's batch is a request (padding stripped), with ``stop_strings`` for the harness's stop sequences,
+and finishes on its own instead of running until the batch's longest row is done.
+
+Extra ``model_args``: ``block_size`` (tokens per block, default 16), ``prefill_chunk_size`` (default:
+whole batch in one forward) and ``batcher`` (default False).  Seq2seq models and ``mixed_precision_dtype`` (autocast: keys and values
 then come out in different dtypes, which a one-dtype pool refuses) are not supported.
 ``peak_cache_bytes`` records the most ``PagedCache.stats().bytes_reserved`` seen by one call.
 """
@@ -41,6 +45,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ..batcher import ContinuousBatcher
 from ..cache import PagedCache
 from .perplexity import chunked_logits, num_blocks_for
 
@@ -56,6 +61,7 @@ class PagedHFLM(HFLM):
         pretrained: Any,
         block_size: int = 16,
         prefill_chunk_size: int | None = None,
+        batcher: bool | str = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(pretrained, **kwargs)
@@ -71,6 +77,8 @@ class PagedHFLM(HFLM):
         self.block_size = int(block_size)
         self.prefill_chunk_size = int(prefill_chunk_size) if prefill_chunk_size else None
         self.peak_cache_bytes = 0
+        self.use_batcher = str(batcher).lower() in ("1", "true", "yes")
+        self._batcher: ContinuousBatcher | None = None
 
     def _record(self, cache: PagedCache) -> None:
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.stats().bytes_reserved)
@@ -103,6 +111,8 @@ class PagedHFLM(HFLM):
         **generation_kwargs: Any,
     ) -> torch.Tensor:
         """``HFLM._model_generate`` with ``cache=PagedCache(...)`` sized for ``context [batch, seq]``."""
+        if self.use_batcher:
+            return self._generate_with_batcher(context, max_length, stop, **generation_kwargs)
         copies = max(int(generation_kwargs.get("num_beams") or 1), 1) * max(
             int(generation_kwargs.get("num_return_sequences") or 1), 1
         )
@@ -114,6 +124,29 @@ class PagedHFLM(HFLM):
             return out
         finally:
             cache.release()
+
+
+    def _generate_with_batcher(
+        self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+    ) -> torch.Tensor:
+        """``[batch, seq + new]`` like ``generate``'s output: each row a request of the `ContinuousBatcher`."""
+        mask = generation_kwargs.pop("attention_mask", None)
+        if mask is None:
+            mask = context != self.tokenizer.pad_token_id  # [batch, seq] the harness pads on the left
+        if not generation_kwargs.get("do_sample") and not generation_kwargs.get("temperature"):
+            generation_kwargs.pop("temperature", None)
+            generation_kwargs["do_sample"] = False
+        if self._batcher is None:
+            self._batcher = ContinuousBatcher(self.model, block_size=self.block_size, tokenizer=self.tokenizer)
+        prompts = [row[keep.bool()].tolist() for row, keep in zip(context, mask, strict=True)]
+        new_tokens = max_length - context.shape[1]
+        outputs = self._batcher.generate(
+            prompts, max_new_tokens=new_tokens, stop_strings=stop or None, **generation_kwargs
+        )
+        padded = torch.full((context.shape[0], new_tokens), self.tokenizer.pad_token_id, dtype=context.dtype)
+        for row, tokens in enumerate(outputs):
+            padded[row, : len(tokens)] = torch.tensor(tokens, dtype=context.dtype)
+        return torch.cat([context, padded.to(context.device)], dim=1)
 
 
 def main() -> None:
