@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache
+from transformers import AutoConfig, DynamicCache, PreTrainedTokenizerFast, StaticCache
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import (
@@ -335,3 +335,16 @@ def test_bench_layer_groups(tiny_gemma3_dir: str, results_dir: Path) -> None:
     assert scenarios["one_prompt"]["dynamic"]["held_end"] == (43 + 2 * 11) * per_layer_block // 4
     assert scenarios["samples"]["copies_ratio"] < 8 / 2  # the prompt is stored once, not 8 times
 
+
+def test_bench_serving(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--num-requests", "6", "--max-prompt", "24", "--max-new", "6", "--output-scale",
+            "0.05", "--batch-size", "3", "--repeats", "1", "--block-size", "4"]
+    results = run_script("bench_serving", args, results_dir / "serving.json")
+    assert set(results["contenders"]) == {"dynamic", "paged", "generate_batch", "batcher"}
+    for name, r in results["contenders"].items():
+        assert r["tokens_identical"] is not False, name
+        assert r["tokens_per_s"] > 0 and 0 <= r["ttft_p50_s"] <= r["ttft_p95_s"], name
+    for name in ("dynamic", "paged", "batcher"):  # generate_batch's unpadded float rounding may differ
+        assert results["contenders"][name]["tokens_identical"], name
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(tiny_dir), torch.float32)
+    assert results["budget_bytes"] == (3 * math.ceil((24 + 6) / 4) + 1) * 4 * per_token
