@@ -2,8 +2,10 @@
 
 A background thread runs the loop; each iteration is one step:
 
-1. **admit** waiting requests, oldest first, while the pool has the blocks for their tokens (and fewer than
-   `max_running` are in flight); an admitted request starts from the longest prefix the pool has cached;
+1. **admit** waiting requests, oldest first, while the pool has the blocks for their tokens plus one block of
+   headroom per request in flight (and fewer than `max_running` are in flight), so that a request admitted
+   now is not preempted at the next step; an admitted request starts from the longest prefix the pool has
+   cached;
 2. **prefill** admitted requests without padding, one forward per request, in chunks so that a step
    computes at most `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token
    and joins the running batch by block table (no key or value is copied);
@@ -156,24 +158,42 @@ class ContinuousBatcher:
                     return
                 self._waiting.extend(self._submitted)
                 self._submitted.clear()
-            with torch.no_grad():
-                self._admit()
-                self._prefill()
-                self._decode()
+            try:
+                with torch.no_grad():
+                    self._admit()
+                    self._prefill()
+                    self._decode()
+            except BaseException as error:  # noqa: BLE001 (no request may wait forever on a dead loop)
+                self._fail_in_flight(error)
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """A step failed outside any one request: fail every admitted request with `error`, free their blocks."""
+        for request, cache, _ in self._prefilling:
+            cache.release()
+            request.handle._finish(error)
+        for request in self._running:
+            request.handle._finish(error)
+        self._prefilling, self._running = [], []
+        self.running_cache.reset()
 
     def _admit(self) -> None:
         """Start waiting requests, oldest first, while the pool can hold their tokens."""
         while self._waiting and len(self._prefilling) + len(self._running) < self.max_running:
             request = self._waiting[0]
             needed = self._blocks_needed(len(request.tokens) + 1)
-            if any(n > blocks.capacity and blocks.max_blocks is not None for n, blocks in zip(needed, self.pool.groups)):
+            too_big = [
+                (n, blocks, group) for n, blocks, group in zip(needed, self.pool.groups, self.pool.layer_groups)
+                if blocks.max_blocks is not None and n > blocks.capacity
+            ]
+            if too_big:  # more than the whole (fixed) pool: it could never run
+                n, blocks, group = too_big[0]
                 self._waiting.popleft()
-                request.handle._finish(PoolExhaustedError(
-                    max(needed), min(b.capacity for b in self.pool.groups), min(b.capacity for b in self.pool.groups),
-                    self.pool.block_size,
-                ))
+                name = group.name if len(self.pool.groups) > 1 else None
+                request.handle._finish(PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
                 continue
-            if not all(blocks.can_allocate(n) for n, blocks in zip(needed, self.pool.groups)):
+            # headroom: every request in flight, this one included, may open a block before the next admission
+            reserve = len(self._prefilling) + len(self._running) + 1
+            if not all(blocks.can_allocate(n + reserve) for n, blocks in zip(needed, self.pool.groups)):
                 return
             self._waiting.popleft()
             cache = PagedCache(self.model, pool=self.pool)

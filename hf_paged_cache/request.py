@@ -16,7 +16,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import (
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteriaList,
+)
 
 _DONE = object()  # ends a handle's token stream
 _UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1}  # arguments the batcher keeps at these values
