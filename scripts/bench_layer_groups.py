@@ -113,7 +113,7 @@ def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], block_size: int,
                                     return_dict_in_generate=True, output_scores=keep_scores)
         sequences.append(result.sequences)
         scores.append(result.scores)
-        held, storage, sliding = measure(cache)
+        held, storage, _ = measure(cache)
         out[name] = {"held_end": held, "held_peak": probe.held_peak, "storage_peak": probe.storage_peak,
                      "sliding_blocks_peak": probe.sliding_blocks_peak, "storage_end": storage}
         if isinstance(cache, PagedCache):

@@ -37,7 +37,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
-from hf_paged_cache import ContinuousBatcher, PagedCache, parse_memory, set_paged_attention
+from hf_paged_cache import (
+    ContinuousBatcher,
+    PagedCache,
+    parse_memory,
+    set_paged_attention,
+)
 from hf_paged_cache.bench import (
     add_common_args,
     format_table,

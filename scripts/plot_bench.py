@@ -8,7 +8,8 @@ Reads from ``--results-dir`` (default: ``results``) whichever of these exist and
 - ``bench_decode*.json``, ``bench_beam*.json`` -> ``bench_throughput.png``: PagedCache / DynamicCache speed
   ratios per scenario (wall clock, and per CPU second);
 - ``bench_beam*.json``    -> ``bench_beam.png``: beam-search KV bytes and speed, Paged vs Dynamic;
-- ``bench_cb*.json``      -> ``bench_cb.png``: useful tokens/s and KV memory, generate vs continuous batching.
+- ``bench_cb*.json``      -> ``bench_cb.png``: useful tokens/s and KV memory, generate vs continuous batching;
+- ``bench_serving*.json`` -> ``bench_serving.png``: output tokens/s and time to first token per contender.
 
 Command::
 
@@ -196,6 +197,34 @@ def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
     return path
 
 
+def plot_serving(data: dict[str, Any], out: Path) -> Path:
+    c = data["contenders"]
+    names = list(c)
+    colors = [COLORS.get(n, "#1f77b4") for n in names]
+    fig, (speed, latency) = plt.subplots(1, 2, figsize=(9, 3.8))
+    speed.bar(names, [c[n]["tokens_per_s"] for n in names], color=colors)
+    for i, n in enumerate(names):
+        low, high = c[n]["tokens_per_s_range"]
+        speed.plot([i, i], [low, high], color="black", linewidth=1)
+        speed.annotate(f"{c[n]['tokens_per_s']:.1f}", (i, high), ha="center", va="bottom", fontsize=8)
+    speed.set_ylabel("output tokens/s (median, range)")
+    x = range(len(names))
+    latency.bar([i - 0.2 for i in x], [c[n]["ttft_p50_s"] for n in names], 0.4, label="p50", color="#2ca02c")
+    latency.bar([i + 0.2 for i in x], [c[n]["ttft_p95_s"] for n in names], 0.4, label="p95", color="#98df8a")
+    latency.set_xticks(list(x), names)
+    latency.set_ylabel("time to first token, s")
+    latency.legend(fontsize=8)
+    for axis in (speed, latency):
+        axis.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"{data['num_requests']} requests, {data['output_tokens']} output tokens, KV budget "
+                 f"{data['budget_bytes'] / MIB:.0f} MiB, {data['threads']} threads   {machine_line(data)}", fontsize=9)
+    fig.tight_layout()
+    path = out / "bench_serving.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     folder = Path(args.results_dir)
@@ -205,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     decodes = load_all(folder, "bench_decode*.json")
     beams = load_all(folder, "bench_beam*.json")
     cbs = load_all(folder, "bench_cb*.json")
+    serving = load_all(folder, "bench_serving*.json")
     written: list[Path] = []
     if memory:
         written += [plot_memory(memory[-1], out), plot_concurrency(memory[-1], out)]
@@ -214,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         written.append(plot_beam(beams[-1], out))
     if cbs:
         written.append(plot_cb(cbs, out))
+    if serving:
+        written.append(plot_serving(serving[-1], out))
     for path in written:
         print(f"wrote {path}")
     if not written:

@@ -269,6 +269,7 @@ def test_plot_bench_writes_pngs(
     decode_result: dict[str, Any],
     beam_result: dict[str, Any],
     cb_result: dict[str, Any],
+    serving_result: dict[str, Any],
     results_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -276,7 +277,7 @@ def test_plot_bench_writes_pngs(
     written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
     names = {Path(p).name for p in written["written"]}
     assert names == {"bench_memory.png", "bench_concurrency.png", "bench_throughput.png", "bench_beam.png",
-                     "bench_cb.png"}
+                     "bench_cb.png", "bench_serving.png"}
     for name in names:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -336,10 +337,15 @@ def test_bench_layer_groups(tiny_gemma3_dir: str, results_dir: Path) -> None:
     assert scenarios["samples"]["copies_ratio"] < 8 / 2  # the prompt is stored once, not 8 times
 
 
-def test_bench_serving(tiny_dir: str, results_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def serving_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
     args = ["--model", tiny_dir, "--num-requests", "6", "--max-prompt", "24", "--max-new", "6", "--output-scale",
             "0.05", "--batch-size", "3", "--repeats", "1", "--block-size", "4"]
-    results = run_script("bench_serving", args, results_dir / "serving.json")
+    return run_script("bench_serving", args, results_dir / "bench_serving.json")
+
+
+def test_bench_serving(serving_result: dict[str, Any], tiny_dir: str) -> None:
+    results = serving_result
     assert set(results["contenders"]) == {"dynamic", "paged", "generate_batch", "batcher"}
     for name, r in results["contenders"].items():
         assert r["tokens_identical"] is not False, name
