@@ -4,10 +4,10 @@ import threading
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_model
 from transformers import DynamicCache
 
 from hf_paged_cache import ContinuousBatcher, PoolExhaustedError, generate_many
-from tiny_models import VOCAB, tiny_model
 
 ARCHITECTURES = ["llama", "gemma3_text", "qwen2"]  # gemma3_text: sliding-window and full layers
 

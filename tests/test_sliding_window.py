@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
+from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria
 
 from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.models.gemma3 import GEMMA3_DIRNAME
 from hf_paged_cache.models.offline import default_cache_dir
-from tiny_models import VOCAB, ragged_batch, tiny_model
 
 SLIDING_MODELS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2"]
 WINDOW, BLOCK = 12, 4
@@ -100,12 +100,29 @@ MODES = {
 
 @pytest.mark.parametrize("attention", ["default", "paged_sdpa"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_generate_modes_on_a_hybrid_model(mode, attention):
-    """Gemma 3 (sliding and full layers): every mode gives DynamicCache's tokens and logits."""
-    model = model_with("gemma3_text", attention)
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_generate_modes_on_hybrid_models(model_type, mode, attention):
+    """Hybrid sliding and full layers: every mode gives DynamicCache's tokens and logits."""
+    model = model_with(model_type, attention)
     batch = ragged_batch([0], PROMPT) if mode == "prompt_lookup" else ragged_batch(PADS, PROMPT)
     reference, paged, _ = generate_both(model, batch, max_new_tokens=20, **MODES[mode])
     assert_same(reference, paged)
+
+
+@pytest.mark.parametrize("model_type", SLIDING_MODELS)
+def test_multi_turn_chat_passes_the_cache_back(model_type):
+    """Turn 2 feeds turn 1's cache back with a longer ragged prompt, past the window: only the new tokens run."""
+    model = model_with(model_type, "paged_sdpa")
+    turn1 = ragged_batch(PADS, PROMPT)
+    user2 = torch.randint(3, VOCAB, (len(PADS), 9), generator=torch.Generator().manual_seed(7))
+    results = []
+    for cache in (DynamicCache(config=model.config), PagedCache(model, block_size=BLOCK)):
+        first = model.generate(**turn1, max_new_tokens=8, do_sample=False, cache=cache, return_dict_in_generate=True)
+        ids = torch.cat([first.sequences, user2], dim=1)
+        mask = torch.cat([turn1["attention_mask"], torch.ones(len(PADS), 17, dtype=torch.long)], dim=1)
+        results.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                      cache=first.cache, return_dict_in_generate=True, output_scores=True))
+    assert_same(*results)
 
 
 def test_assisted_decoding_with_a_draft_model_keeps_what_crop_needs():
