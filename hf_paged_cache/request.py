@@ -108,7 +108,10 @@ class Request:
             generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=tokenizer
         )
         self.generator = torch.Generator(device=model.device)
-        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()  # a fresh random seed, leaving torch's global generator alone
         self.generated: list[int] = []
         self.handle = RequestHandle(request_id)
 
