@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, StoppingCriteria
 
-from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache import KVLayout, PagedCache, set_paged_attention
 from hf_paged_cache.bench import add_common_args, format_table, load, mib, write_json
 
 SCENARIOS = ("one_prompt", "ragged", "long_decode", "samples")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer = load(args)
     set_paged_attention(model)
     text = model.config.get_text_config(decoder=True)
-    windows = sorted({w for w in (getattr(text, "sliding_window", None),) if w})
+    windows = [group.window for group in KVLayout.from_config(model.config).groups if group.window is not None]
     vocab, pad = text.vocab_size, tokenizer.pad_token_id or 0
     chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SCENARIOS))

@@ -50,6 +50,14 @@ def machine_line(data: dict[str, Any]) -> str:
     return f"{data.get('dtype', '')} on {m.get('device_name', '?')}, {threads} thread(s), {m.get('date', '')[:10]}"
 
 
+def save(fig: plt.Figure, path: Path) -> Path:
+    """Write `fig` to `path` (PNG, laid out tightly) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_memory(data: dict[str, Any], out: Path) -> Path:
     caches = data["caches"]
     labels = [c["label"].replace(" (", "\n(") for c in caches]
@@ -70,11 +78,7 @@ def plot_memory(data: dict[str, Any], out: Path) -> Path:
         fontsize=9,
     )
     ax.legend()
-    fig.tight_layout()
-    path = out / "bench_memory.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_memory.png")
 
 
 def plot_concurrency(data: dict[str, Any], out: Path) -> Path:
@@ -91,11 +95,7 @@ def plot_concurrency(data: dict[str, Any], out: Path) -> Path:
     proven = "; Paged count proven by running it" if proof.get("ok") else ""
     ax.set_title(f"{b['budget']} KV budget, {b['new_tokens']} new tokens per request{proven}\n"
                  f"{machine_line(data)}", fontsize=9)
-    fig.tight_layout()
-    path = out / "bench_concurrency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_concurrency.png")
 
 
 def plot_throughput(decodes: list[dict[str, Any]], beams: list[dict[str, Any]], out: Path) -> Path:
@@ -133,11 +133,7 @@ def plot_throughput(decodes: list[dict[str, Any]], beams: list[dict[str, Any]], 
     source = decodes[0] if decodes else beams[0]
     ax.set_title("Speed relative to DynamicCache, median of alternated repeats\n" + machine_line(source), fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "bench_throughput.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_throughput.png")
 
 
 def plot_beam(data: dict[str, Any], out: Path) -> Path:
@@ -159,11 +155,7 @@ def plot_beam(data: dict[str, Any], out: Path) -> Path:
     a = data["args"]
     fig.suptitle(f"Beam search, {a['num_beams']} beams, {a['batch_size']}x{a['prompt_len']} prompt, "
                  f"{a['new_tokens']} new tokens   {machine_line(data)}", fontsize=9)
-    fig.tight_layout()
-    path = out / "bench_beam.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_beam.png")
 
 
 def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
@@ -190,11 +182,7 @@ def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
         memory.legend(fontsize=8, ncols=2, loc="upper left")
     fig.suptitle(f"generate (Dynamic / Paged) vs transformers continuous batching   {machine_line(runs[0])}",
                  fontsize=9)
-    fig.tight_layout()
-    path = out / "bench_cb.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_cb.png")
 
 
 def plot_serving(data: dict[str, Any], out: Path) -> Path:
@@ -218,11 +206,7 @@ def plot_serving(data: dict[str, Any], out: Path) -> Path:
         axis.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"{data['num_requests']} requests, {data['output_tokens']} output tokens, KV budget "
                  f"{data['budget_bytes'] / MIB:.0f} MiB, {data['threads']} threads   {machine_line(data)}", fontsize=9)
-    fig.tight_layout()
-    path = out / "bench_serving.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "bench_serving.png")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
