@@ -2,10 +2,10 @@
 
 A background thread runs the loop; each iteration is one step:
 
-1. **admit** waiting requests, oldest first, while the pool has the blocks for their tokens plus one block of
-   headroom per request in flight (and fewer than `max_running` are in flight), so that a request admitted
-   now is not preempted at the next step; an admitted request starts from the longest prefix the pool has
-   cached;
+1. **admit** waiting requests, oldest first, while the pool can hold every request in flight at its longest
+   (prompt and ``max_new_tokens``; or, with ``reserve_new_tokens=False``, its prompt plus one block of
+   headroom per request in flight) and fewer than `max_running` are in flight; an admitted request starts
+   from the longest prefix the pool has cached;
 2. **prefill** admitted requests without padding, one forward per request, in chunks so that a step
    computes at most `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token
    and joins the running batch by block table (no key or value is copied);
@@ -51,6 +51,9 @@ class ContinuousBatcher:
         max_running: most requests in flight (prefilling or decoding) at once.
         max_step_tokens: most prompt tokens prefilled per step (long prompts are prefilled in chunks).
         tokenizer: needed for ``stop_strings``.
+        reserve_new_tokens: admit a request only when the pool can hold every request in flight at its
+            longest (prompt and ``max_new_tokens``), so that none is preempted and computed twice; False
+            admits while its prompt fits (more requests at once, preempted when the pool runs out).
 
     `submit` is thread-safe and starts the loop on first use; `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back.
@@ -67,6 +70,7 @@ class ContinuousBatcher:
         max_running: int | None = None,
         max_step_tokens: int | None = None,
         tokenizer: Any = None,
+        reserve_new_tokens: bool = True,
     ):
         self.model = model
         if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -81,6 +85,7 @@ class ContinuousBatcher:
         self.max_running = max_running or DEFAULT_MAX_RUNNING
         self.max_step_tokens = max_step_tokens or DEFAULT_MAX_STEP_TOKENS
         self.tokenizer = tokenizer
+        self.reserve_new_tokens = reserve_new_tokens
         self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self._ids = itertools.count()
         self._wakeup = threading.Condition()
@@ -191,14 +196,35 @@ class ContinuousBatcher:
                 name = group.name if len(self.pool.groups) > 1 else None
                 request.handle._finish(PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
                 continue
-            # headroom: every request in flight, this one included, may open a block before the next admission
-            reserve = len(self._prefilling) + len(self._running) + 1
-            if not all(blocks.can_allocate(n + reserve) for n, blocks in zip(needed, self.pool.groups)):
+            if not all(blocks.can_allocate(n) for n, blocks in zip(self._admission_need(request), self.pool.groups)):
                 return
             self._waiting.popleft()
             cache = PagedCache(self.model, pool=self.pool)
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
             self._prefilling.append((request, cache, done))
+
+    def _admission_need(self, request: Request) -> list[int]:
+        """Per group, the free blocks `request` needs to start: its own and what those in flight may still take.
+
+        With `reserve_new_tokens`, each request counts its whole final length (prompt and ``max_new_tokens``,
+        capped at the pool) so that none is preempted later; otherwise its prompt and next token, plus one
+        block of headroom per request in flight.
+        """
+        if not self.reserve_new_tokens:
+            in_flight = len(self._prefilling) + len(self._running) + 1
+            return [n + in_flight for n in self._blocks_needed(len(request.tokens) + 1)]
+        need = self._final_blocks(request)
+        for other, _, done in self._prefilling:
+            need = [n + f - h for n, f, h in zip(need, self._final_blocks(other), self._blocks_needed(done))]
+        for other in self._running:
+            held = self._blocks_needed(len(other.tokens) - 1)
+            need = [n + max(f - h, 0) for n, f, h in zip(need, self._final_blocks(other), held)]
+        return need
+
+    def _final_blocks(self, request: Request) -> list[int]:
+        """Per group, the blocks `request` holds at its longest (capped at what the pool can hold)."""
+        longest = self._blocks_needed(max(request.max_length, len(request.tokens) + 1))
+        return [min(n, blocks.capacity) for n, blocks in zip(longest, self.pool.groups)]
 
     def _blocks_needed(self, num_tokens: int) -> list[int]:
         return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
@@ -295,7 +321,9 @@ def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torc
         return batcher.generate(prompts, **kwargs)
 
 
-_BATCHER_ARGUMENTS = ("pool", "num_blocks", "max_memory", "block_size", "max_running", "max_step_tokens", "tokenizer")
+_BATCHER_ARGUMENTS = (
+    "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_step_tokens", "tokenizer", "reserve_new_tokens"
+)
 
 
 def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:

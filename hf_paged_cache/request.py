@@ -116,6 +116,11 @@ class Request:
         self.handle = RequestHandle(request_id)
 
     @property
+    def max_length(self) -> int:
+        """Most tokens (prompt and generated) it can reach: ``max_length``, or prompt + ``max_new_tokens``."""
+        return self.config.max_length
+
+    @property
     def tokens(self) -> list[int]:
         """Prompt and generated tokens: what its cache must hold to compute the next token."""
         return self.prompt + self.generated

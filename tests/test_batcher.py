@@ -57,15 +57,29 @@ def test_32_requests_from_4_threads_match_generate_alone(model_type):
     assert_pool_empty(batcher)
 
 
-def test_preemption_keeps_outputs_identical():
-    """A pool too small for every request at once: the newest is preempted, recomputed later, same tokens."""
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_small_pool_keeps_outputs_identical(reserve):
+    """A pool too small for every request at once. Without reservation the newest is preempted and computed
+    again later; with it (the default) requests wait for room and none is preempted. Same tokens either way."""
     model = tiny_model("llama")
     work = requests(10, seed=1)
     expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
-    with ContinuousBatcher(model, block_size=4, num_blocks=30, max_running=10) as batcher:
+    with ContinuousBatcher(model, block_size=4, num_blocks=30, max_running=10, reserve_new_tokens=reserve) as batcher:
         handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
         assert [h.result(timeout=120) for h in handles] == expected
-        assert batcher.preemptions > 0
+        assert (batcher.preemptions == 0) == reserve
+    assert_pool_empty(batcher)
+
+
+def test_a_request_longer_than_the_pool_still_runs_until_it_stops():
+    """Its reservation is capped at the pool: it is admitted, and ends at EOS as generate would."""
+    model = tiny_model("llama")
+    prompt = requests(1, seed=4)[0][0]
+    free_run = alone(model, prompt, max_new_tokens=6)
+    eos = free_run[3]  # a token it picks: generation stops there
+    expected = alone(model, prompt, max_new_tokens=6, eos_token_id=eos)
+    with ContinuousBatcher(model, block_size=4, num_blocks=16) as batcher:
+        assert batcher.generate([prompt], max_new_tokens=10_000, eos_token_id=eos) == [expected]
     assert_pool_empty(batcher)
 
 
