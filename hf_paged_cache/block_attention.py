@@ -7,6 +7,11 @@ same dict to ``cache.update`` and to the attention function); `attend_from_pool`
 the keys and values of its real tokens only (one gather each, head-major so SDPA gets contiguous heads) and
 runs SDPA on them, with the grouped query heads folded into the query rows of their key/value head.
 
+A decode step (one new token per row, all real) is the exception: there a per-row loop costs more than it
+saves (two gathers and one SDPA call per row and layer), so every row's keys are gathered in one padded
+``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
+whole batch.
+
 Masks are built from logical positions, as transformers builds its own: a query at position ``p`` sees the
 stored keys at positions ``k <= p`` (causal) and, on a sliding layer of window ``W``, ``k > p - W``.
 """
@@ -43,6 +48,14 @@ class QueryRows:
 
 
 @dataclass
+class PaddedKeys:
+    """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
+
+    rows: torch.Tensor  # [B * H * kv] rows of the flat [slots * H, D] storage, head-major per row (padding: null)
+    mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
+
+
+@dataclass
 class PagedAttentionInputs:
     """What `paged_sdpa` needs to attend to one layer's keys and values in the pool."""
 
@@ -56,6 +69,7 @@ class PagedAttentionInputs:
     # ([B, H, q, key_dim], [B, H, q, value_dim]) the step's new keys and values, when some have no slot
     # (a sliding window longer step): `row_keys` then covers the past only and the new ones come from here
     new_states: tuple[torch.Tensor, torch.Tensor] | None = None
+    padded: PaddedKeys | None = None  # set for a decode step (one real new token per row, keys all in the pool)
 
 
 def attend_from_pool(
@@ -70,6 +84,8 @@ def attend_from_pool(
 
     Padding queries (new tokens that are padding) are not computed: their output is zero.
     """
+    if inputs.padded is not None:
+        return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout)
     batch_size, query_heads, query_length, _ = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -111,6 +127,33 @@ def attend_from_pool(
                 row_out = explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
             outs.append(_place(row_out.view(1, query_heads, q_len, value_dim), picked, query, query_length))
     return torch.cat(outs).transpose(1, 2).contiguous()  # [B, q, Hq, Dv]
+
+
+def _attend_decode(
+    query: torch.Tensor,
+    inputs: PagedAttentionInputs,
+    padded: PaddedKeys,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
+    """One new token per row: all rows at once over their padded keys; returns ``[B, 1, Hq, Dv]``."""
+    batch_size, query_heads, _, key_dim = query.shape
+    heads = inputs.num_kv_heads
+    groups = query_heads // heads
+    scale = scaling if scaling is not None else key_dim**-0.5
+    with inputs.lock.shared():
+        keys = inputs.keys.index_select(0, padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
+        values = inputs.values.index_select(0, padded.rows).view(batch_size, heads, keys.shape[2], -1)
+    # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
+    grouped = query.view(batch_size, heads, groups, key_dim)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=padded.mask, dropout_p=dropout, scale=scale)
+    else:
+        sink_logits = None if sinks is None else sinks.view(1, heads, groups, 1)
+        out = explicit_attention(grouped, keys, values, padded.mask, scale, softcap, sink_logits, dropout)
+    return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
 
 
 def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tensor, query_length: int) -> torch.Tensor:

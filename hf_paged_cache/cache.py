@@ -126,6 +126,7 @@ class PagedCache(Cache):
                     index.row_keys(offset, keys.shape[1]), index.queries(),
                     layer.sliding_window, self.pool.storage_lock,
                     (key_states, value_states) if index.new_from_states else None,
+                    index.decode_keys(offset, keys.shape[1], layer.sliding_window),
                 )
                 result = key_states, value_states
             else:

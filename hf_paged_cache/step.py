@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_attention import QueryRows, RowKeys
+from .block_attention import PaddedKeys, QueryRows, RowKeys
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
 from .errors import PoolExhaustedError
 from .kv_pool import KVPool
@@ -38,6 +38,7 @@ class StepIndex:
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
     _row_keys: dict[tuple[int, int], RowKeys] = field(default_factory=dict)  # row_keys, per (offset, heads)
     _queries: QueryRows | None = None
+    _padded: dict[tuple[int, int, int | None], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
 
     @property
     def pool_end(self) -> int:
@@ -78,6 +79,27 @@ class StepIndex:
                 spans=spans,
             )
         return keys
+
+    def decode_keys(self, offset: int, num_heads: int, window: int | None) -> PaddedKeys | None:
+        """For a decode step (one real new token per row, every key in the pool): the padded keys, else None.
+
+        Positions ``offset:pool_end`` in the cache's column layout; the mask keeps real keys inside the window
+        of the query at position ``L``. Computed once per step for all layers alike.
+        """
+        if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
+            return None
+        key = (offset, num_heads, window)
+        if key not in self._padded:
+            padded = None
+            if bool(self.is_real[:, -1].all()):  # else a padding query: the per-row path leaves its output zero
+                mask = self.is_real[:, offset:]  # [B, kv]
+                if window is not None:
+                    positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
+                    mask = mask & (positions > self.past_length - window)
+                rows = self.read_rows(offset, num_heads).reshape(-1)  # [B * H * kv]
+                padded = PaddedKeys(rows, mask[:, None, None, :])
+            self._padded[key] = padded
+        return self._padded[key]
 
     def queries(self) -> QueryRows:
         """The step's new tokens per row: positions, the indices of the real ones, their first and last."""

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
 import hf_paged_cache.cache as cache_module
-from hf_paged_cache import PagedCache, set_paged_attention
-from tiny_models import ragged_batch, tiny_model
+from hf_paged_cache import PagedCache, block_attention, set_paged_attention
 
 
 def count_dense_gathers(monkeypatch):
@@ -81,3 +81,34 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     paged = torch.cat(chunks, dim=1)
     real = mask.bool()
     torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
+def test_decode_steps_attend_all_rows_at_once_and_match_one_uncached_forward(monkeypatch, model_type):
+    # a 20-token prefill, then one token per forward past the window of 12: the batched decode path serves
+    # every one-token step (soft-capping on gemma2, sinks on gpt_oss) with the logits of one plain forward
+    model = tiny_model(model_type)
+    set_paged_attention(model)
+    batched = []
+    original = block_attention._attend_decode
+    monkeypatch.setattr(block_attention, "_attend_decode", lambda *args: batched.append(1) or original(*args))
+    batch = ragged_batch([0, 7, 13], 40, seed=3)
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        reference = model(**batch, position_ids=positions).logits  # [B, T, V]
+        steps = []
+        with PagedCache(model, num_blocks=48) as cache:
+            for start, end in [(0, 20), *((t, t + 1) for t in range(20, 40))]:
+                steps.append(
+                    model(
+                        input_ids=batch["input_ids"][:, start:end],
+                        attention_mask=mask[:, :end],
+                        position_ids=positions[:, start:end],
+                        cache=cache,
+                        use_cache=True,
+                    ).logits
+                )
+    assert len(batched) == 20 * model.config.num_hidden_layers
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], reference[real], rtol=0, atol=1e-5)
