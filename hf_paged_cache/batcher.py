@@ -13,10 +13,11 @@ A background thread runs the loop; each iteration is one step:
    picks its next token; a finished request leaves at once and its blocks go back to the pool (full ones
    stay findable by prefix).
 
-When the pool runs out in the middle of a decode, the most recently admitted request is preempted: its
-blocks are freed and it waits at the front of the queue, to be computed again (prompt and tokens so far)
-when blocks free up, so its output is what it would have been. A request that cannot fit the pool even
-alone fails on its own handle with `PoolExhaustedError`; the others carry on.
+When the pool runs out in the middle of a decode (without reservation, or when another cache shares the
+pool and takes blocks), the most recently admitted request is preempted: its blocks are freed and it waits
+at the front of the queue, to be computed again (prompt and tokens so far) when blocks free up, so its
+output is what it would have been. A request that cannot fit the pool even alone fails on its own handle
+with `PoolExhaustedError`; the others carry on.
 """
 
 from __future__ import annotations
