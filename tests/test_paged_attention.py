@@ -6,6 +6,7 @@ from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
 import hf_paged_cache.cache as cache_module
+import hf_paged_cache.step as step_module
 from hf_paged_cache import PagedCache, block_attention, set_paged_attention
 
 
@@ -83,15 +84,18 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("max_padding, batched", [(step_module.DECODE_MAX_PADDING, True), (4, False)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
-def test_decode_steps_attend_all_rows_at_once_and_match_one_uncached_forward(monkeypatch, model_type):
-    # a 20-token prefill, then one token per forward past the window of 12: the batched decode path serves
-    # every one-token step (soft-capping on gemma2, sinks on gpt_oss) with the logits of one plain forward
+def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, max_padding, batched):
+    # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
+    # gpt_oss): the logits of one plain forward, whether the rows' mean padding (6.7 positions) lets the
+    # full-attention layers' decode steps attend all rows at once or sends them row by row
+    monkeypatch.setattr(step_module, "DECODE_MAX_PADDING", max_padding)
     model = tiny_model(model_type)
     set_paged_attention(model)
-    batched = []
+    calls = []
     original = block_attention._attend_decode
-    monkeypatch.setattr(block_attention, "_attend_decode", lambda *args: batched.append(1) or original(*args))
+    monkeypatch.setattr(block_attention, "_attend_decode", lambda *args: calls.append(1) or original(*args))
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     mask = batch["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -109,6 +113,8 @@ def test_decode_steps_attend_all_rows_at_once_and_match_one_uncached_forward(mon
                         use_cache=True,
                     ).logits
                 )
-    assert len(batched) == 20 * model.config.num_hidden_layers
+    # row by row, the sliding layers still attend all rows at once: their last 12 columns hold little padding
+    sliding = sum(kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or [])
+    assert len(calls) == 20 * (model.config.num_hidden_layers if batched else sliding)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, dim=1)[real], reference[real], rtol=0, atol=1e-5)
