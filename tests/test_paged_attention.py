@@ -57,31 +57,35 @@ def test_config_built_cache_uses_the_dense_path(monkeypatch):
     assert calls
 
 
+def assert_pieces_match_one_forward(model, batch, spans: list[tuple[int, int]], num_blocks: int) -> None:
+    """Forwards over `spans` of `batch` with a PagedCache give one uncached forward's logits at every real position."""
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        reference = model(**batch, position_ids=positions).logits  # [B, T, V]
+        pieces = []
+        with PagedCache(model, num_blocks=num_blocks) as cache:
+            for start, end in spans:
+                pieces.append(
+                    model(
+                        input_ids=batch["input_ids"][:, start:end],
+                        attention_mask=mask[:, :end],
+                        position_ids=positions[:, start:end],
+                        cache=cache,
+                        use_cache=True,
+                    ).logits
+                )
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, dim=1)[real], reference[real], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
 def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_real_position(model_type):
     # windows of 12 slide across 16-token chunks; left padding of 0, 7 and 21 tokens (21 spans a whole chunk)
     model = tiny_model(model_type)
     set_paged_attention(model)
     batch = ragged_batch([0, 7, 21], 48, seed=2)
-    mask = batch["attention_mask"]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        reference = model(**batch, position_ids=positions).logits  # [B, T, V]
-        chunks = []
-        with PagedCache(model, num_blocks=32) as cache:
-            for start in range(0, 48, 16):
-                chunks.append(
-                    model(
-                        input_ids=batch["input_ids"][:, start : start + 16],
-                        attention_mask=mask[:, : start + 16],
-                        position_ids=positions[:, start : start + 16],
-                        cache=cache,
-                        use_cache=True,
-                    ).logits
-                )
-    paged = torch.cat(chunks, dim=1)
-    real = mask.bool()
-    torch.testing.assert_close(paged[real], reference[real], rtol=0, atol=1e-5)
+    assert_pieces_match_one_forward(model, batch, [(start, start + 16) for start in range(0, 48, 16)], num_blocks=32)
 
 
 @pytest.mark.parametrize("max_padding, batched", [(step_module.DECODE_MAX_PADDING, True), (4, False)])
@@ -97,24 +101,7 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, max_pa
     original = block_attention._attend_decode
     monkeypatch.setattr(block_attention, "_attend_decode", lambda *args: calls.append(1) or original(*args))
     batch = ragged_batch([0, 7, 13], 40, seed=3)
-    mask = batch["attention_mask"]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        reference = model(**batch, position_ids=positions).logits  # [B, T, V]
-        steps = []
-        with PagedCache(model, num_blocks=48) as cache:
-            for start, end in [(0, 20), *((t, t + 1) for t in range(20, 40))]:
-                steps.append(
-                    model(
-                        input_ids=batch["input_ids"][:, start:end],
-                        attention_mask=mask[:, :end],
-                        position_ids=positions[:, start:end],
-                        cache=cache,
-                        use_cache=True,
-                    ).logits
-                )
+    assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     # row by row, the sliding layers still attend all rows at once: their last 12 columns hold little padding
     sliding = sum(kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or [])
     assert len(calls) == 20 * (model.config.num_hidden_layers if batched else sliding)
-    real = mask.bool()
-    torch.testing.assert_close(torch.cat(steps, dim=1)[real], reference[real], rtol=0, atol=1e-5)
