@@ -197,23 +197,23 @@ class ContinuousBatcher:
                 name = group.name if len(self.pool.groups) > 1 else None
                 request.handle._finish(PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
                 continue
-            if not all(blocks.can_allocate(n) for n, blocks in zip(self._admission_need(request), self.pool.groups)):
+            if not all(blocks.can_allocate(n) for n, blocks in zip(self._admission_need(request, needed), self.pool.groups)):
                 return
             self._waiting.popleft()
             cache = PagedCache(self.model, pool=self.pool)
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
             self._prefilling.append((request, cache, done))
 
-    def _admission_need(self, request: Request) -> list[int]:
+    def _admission_need(self, request: Request, needed: list[int]) -> list[int]:
         """Per group, the free blocks `request` needs to start: its own and what those in flight may still take.
 
         With `reserve_new_tokens`, each request counts its whole final length (prompt and ``max_new_tokens``,
-        capped at the pool) so that none is preempted later; otherwise its prompt and next token, plus one
-        block of headroom per request in flight.
+        capped at the pool) so that none is preempted later; otherwise `needed` (its prompt and next token),
+        plus one block of headroom per request in flight.
         """
         if not self.reserve_new_tokens:
             in_flight = len(self._prefilling) + len(self._running) + 1
-            return [n + in_flight for n in self._blocks_needed(len(request.tokens) + 1)]
+            return [n + in_flight for n in needed]
         need = self._final_blocks(request)
         for other, _, done in self._prefilling:
             need = [n + f - h for n, f, h in zip(need, self._final_blocks(other), self._blocks_needed(done))]
