@@ -15,6 +15,10 @@ The budget (``--budget``, default: what one static batch of the longest requests
 ``(batch_size x ceil((max_prompt + max_new) / block_size) + 1) x block_size x bytes per token``, the + 1 for
 the null block) is the same for every contender; DynamicCache cannot be capped and uses at most that.
 
+Every run happens on a thread of its own (`in_fresh_thread`), so that none inherits the OpenMP worker pool
+of one before it: with more pooled OpenMP threads than cores, GNU OpenMP stops spin-waiting, which slowed a
+batcher run after a static-batch run by 16-30% on a 2-core CPU.
+
 Reported per contender, medians over ``--repeats`` alternated rounds after one untimed warm-up round on the
 first ``--batch-size`` requests: output tokens/s = ``sum(o_i) / wall seconds`` (prefill included), and time
 to first token (TTFT) from time 0, p50 and p95 over requests. Every contender's tokens are checked against
@@ -46,6 +50,7 @@ from hf_paged_cache import (
 from hf_paged_cache.bench import (
     add_common_args,
     format_table,
+    in_fresh_thread,
     kv_bytes_per_token,
     left_pad,
     load,
@@ -192,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     original_attention = model.config._attn_implementation
 
     def run(name: str, count: int) -> dict[str, Any]:
+        return in_fresh_thread(run_contender, name, count)
+
+    def run_contender(name: str, count: int) -> dict[str, Any]:
         p, o = prompts[:count], outputs[:count]
         if name == "dynamic":
             model.set_attn_implementation(original_attention)

@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
+
+
+T = TypeVar("T")
+
+
+def in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a new thread that ends with it; returns its result or raises its exception.
+
+    Why: with GNU OpenMP (PyTorch's CPU wheels), every thread that runs parallel torch work keeps its own
+    pool of worker threads, idle but counted, until it exits. Once the pools hold more threads than there
+    are cores, libgomp stops spin-waiting between parallel regions and puts its workers to sleep after
+    each one, which slows every thread's small ops. A contender timed on the main thread after another ran
+    there, or one with its own background thread (a continuous batcher) timed after the main thread ran
+    torch work, would pay for what ran before it. Running each contender on a thread of its own, which
+    takes its pool with it when it ends, makes every run start from the same state.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = fn(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 (re-raised on the calling thread)
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name=getattr(fn, "__name__", "run"))
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def synchronize(device: torch.device | str) -> None:
