@@ -12,7 +12,6 @@ import torch
 from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
-
 T = TypeVar("T")
 
 
