@@ -2,10 +2,11 @@
 
 A background thread runs the loop; each iteration is one step:
 
-1. **admit** waiting requests, oldest first, while the pool can hold every request in flight at its longest
-   (prompt and ``max_new_tokens``; or, with ``reserve_new_tokens=False``, its prompt plus one block of
-   headroom per request in flight) and fewer than `max_running` are in flight; an admitted request starts
-   from the longest prefix the pool has cached;
+1. **admit** waiting requests, oldest first, while the pool can hold every request in flight at every step
+   until each reaches its longest (prompt and ``max_new_tokens``; `hf_paged_cache.admission`), or, with
+   ``reserve_new_tokens=False``, while its prompt fits with one block of headroom per request in flight,
+   and fewer than `max_running` are in flight; an admitted request starts from the longest prefix the pool
+   has cached;
 2. **prefill** admitted requests without padding, one forward per request, in chunks so that a step
    computes at most `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token
    and joins the running batch by block table (no key or value is copied);
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .admission import Lifetime, peak_blocks
 from .attention import ATTENTION_NAME, set_paged_attention
 from .cache import PagedCache
 from .errors import PoolExhaustedError
@@ -52,9 +54,10 @@ class ContinuousBatcher:
         max_running: most requests in flight (prefilling or decoding) at once.
         max_step_tokens: most prompt tokens prefilled per step (long prompts are prefilled in chunks).
         tokenizer: needed for ``stop_strings``.
-        reserve_new_tokens: admit a request only when the pool can hold every request in flight at its
-            longest (prompt and ``max_new_tokens``), so that none is preempted and computed twice; False
-            admits while its prompt fits (more requests at once, preempted when the pool runs out).
+        reserve_new_tokens: admit a request only when the pool can hold every request in flight at every
+            step until each reaches its longest (prompt and ``max_new_tokens``), so that none is preempted
+            and computed twice; False admits while its prompt fits (more requests at once, preempted when
+            the pool runs out).
 
     `submit` is thread-safe and starts the loop on first use; `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back.
@@ -197,35 +200,39 @@ class ContinuousBatcher:
                 name = group.name if len(self.pool.groups) > 1 else None
                 request.handle._finish(PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
                 continue
-            if not all(blocks.can_allocate(n) for n, blocks in zip(self._admission_need(request, needed), self.pool.groups)):
+            if not self._admissible(request, needed):
                 return
             self._waiting.popleft()
             cache = PagedCache(self.model, pool=self.pool)
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
             self._prefilling.append((request, cache, done))
 
-    def _admission_need(self, request: Request, needed: list[int]) -> list[int]:
-        """Per group, the free blocks `request` needs to start: its own and what those in flight may still take.
+    def _admissible(self, request: Request, needed: list[int]) -> bool:
+        """Whether `request` may start now, beside the requests in flight, in every layer group.
 
-        With `reserve_new_tokens`, each request counts its whole final length (prompt and ``max_new_tokens``,
-        capped at the pool) so that none is preempted later; otherwise `needed` (its prompt and next token),
-        plus one block of headroom per request in flight.
+        With `reserve_new_tokens`: while the pool can hold every request in flight at every step until each
+        reaches ``max_length`` (`peak_blocks`), so that none is preempted later. Otherwise while `needed` (its
+        prompt and next token) fits with one block of headroom per request in flight.
         """
         if not self.reserve_new_tokens:
             in_flight = len(self._prefilling) + len(self._running) + 1
-            return [n + in_flight for n in needed]
-        need = self._final_blocks(request)
-        for other, _, done in self._prefilling:
-            need = [n + f - h for n, f, h in zip(need, self._final_blocks(other), self._blocks_needed(done))]
-        for other in self._running:
-            held = self._blocks_needed(len(other.tokens) - 1)
-            need = [n + max(f - h, 0) for n, f, h in zip(need, self._final_blocks(other), held)]
-        return need
-
-    def _final_blocks(self, request: Request) -> list[int]:
-        """Per group, the blocks `request` holds at its longest (capped at what the pool can hold)."""
-        longest = self._blocks_needed(max(request.max_length, len(request.tokens) + 1))
-        return [min(n, blocks.capacity) for n, blocks in zip(longest, self.pool.groups)]
+            return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
+        lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in self._running]
+        queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
+        for other, done in [*((r, done) for r, _, done in self._prefilling), (request, 0)]:
+            queued += len(other.tokens) - done
+            ready = -(-queued // self.max_step_tokens)
+            lifetimes.append(Lifetime.prefilling(len(other.tokens), other.max_length, ready))
+        caches = [self.running_cache, *(cache for _, cache, _ in self._prefilling)]
+        for group, (blocks, layers) in enumerate(zip(self.pool.groups, self.pool.layer_groups)):
+            if blocks.max_blocks is None:
+                continue  # elastic: it grows
+            in_flight = set().union(*(cache.batch.groups[group].unique_blocks() for cache in caches))
+            held_elsewhere = blocks.num_used - len(in_flight)  # by other caches sharing the pool
+            cap = min(layers.max_blocks_per_row(max(life.top for life in lifetimes), blocks.block_size), blocks.capacity)
+            if peak_blocks(lifetimes, blocks.block_size, cap) > blocks.capacity - held_elsewhere:
+                return False
+        return True
 
     def _blocks_needed(self, num_tokens: int) -> list[int]:
         return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
