@@ -3,6 +3,9 @@
 The prompts (scripts/data/eval_prompts.jsonl by default: one JSON object per line with "id" and "prompt")
 are chat-templated when the tokenizer has a chat template, left-padded into batches and generated greedily
 twice per batch, once with a DynamicCache and once with a PagedCache (hf_paged_cache.eval.generation).
+With --batcher, every prompt also goes through a ContinuousBatcher, timed against the DynamicCache runs. The
+comparison and the batcher each run on a thread of their own (`in_fresh_thread`), so that the batcher's loop
+does not inherit the OpenMP worker pool the comparison leaves behind.
 
 Example:
     python scripts/eval_generate.py --json results/eval_generate.json
@@ -22,6 +25,7 @@ import torch
 import transformers
 
 import hf_paged_cache
+from hf_paged_cache.bench import in_fresh_thread
 from hf_paged_cache.eval.generation import batcher_generation, compare_generation, encode_prompts, until_eos
 from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
@@ -76,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
     use_template = False if args.no_chat_template else None
     prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in records], use_chat_template=use_template)
-    comparison = compare_generation(
+    comparison = in_fresh_thread(
+        compare_generation,
         model,
         prompt_ids,
         pad_token_id=tokenizer.pad_token_id,
@@ -130,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     batched = None
     if args.batcher:
-        run = batcher_generation(model, prompt_ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+        run = in_fresh_thread(
+            batcher_generation, model, prompt_ids, max_new_tokens=args.max_new_tokens, block_size=args.block_size
+        )
         eos = model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         same = sum(until_eos(d, eos_ids) == b for d, b in zip(comparison.dynamic_tokens, run.tokens, strict=True))
