@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,6 +23,7 @@ from transformers import AutoConfig, DynamicCache, PreTrainedTokenizerFast, Stat
 from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import (
     cache_tensor_bytes,
+    in_fresh_thread,
     kv_bytes_per_token,
     left_pad,
     paged_blocks,
@@ -122,6 +124,18 @@ def test_workload_is_seeded_capped_and_prefix_stable() -> None:
     summary = long.summary()
     assert summary["distribution"]["input"]["mean"] == pytest.approx(161.31)
     assert summary["distribution"]["output"]["mean"] == pytest.approx(337.99)
+
+
+def test_in_fresh_thread_returns_and_raises_on_the_caller() -> None:
+    caller = threading.get_ident()
+    assert in_fresh_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
+    assert in_fresh_thread(threading.get_ident) != caller
+
+    def fail() -> None:
+        raise KeyError("from the thread")
+
+    with pytest.raises(KeyError, match="from the thread"):
+        in_fresh_thread(fail)
 
 
 def test_dense_byte_formulas_match_real_caches() -> None:
