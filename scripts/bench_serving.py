@@ -17,7 +17,7 @@ the null block) is the same for every contender; DynamicCache cannot be capped a
 
 Every run happens on a thread of its own (`in_fresh_thread`), so that none inherits the OpenMP worker pool
 of one before it: with more pooled OpenMP threads than cores, GNU OpenMP stops spin-waiting, which slowed a
-batcher run after a static-batch run by 16-30% on a 2-core CPU.
+batcher run after a static-batch run by 15-30% on a 2-core CPU.
 
 Reported per contender, medians over ``--repeats`` alternated rounds after one untimed warm-up round on the
 first ``--batch-size`` requests: output tokens/s = ``sum(o_i) / wall seconds`` (prefill included), and time
