@@ -71,6 +71,20 @@ def test_a_small_pool_keeps_outputs_identical(reserve):
     assert_pool_empty(batcher)
 
 
+def test_reservation_on_a_small_pool_with_sliding_window_layers():
+    """Gemma 3's sliding group holds at most a window's blocks per row: admission counts each group apart,
+    and no request is preempted."""
+    model = tiny_model("gemma3_text")
+    work = requests(10, seed=1)
+    expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
+    with ContinuousBatcher(model, block_size=4, num_blocks=30, max_running=10) as batcher:
+        assert len(batcher.pool.groups) == 2
+        handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        assert [h.result(timeout=120) for h in handles] == expected
+        assert batcher.preemptions == 0
+    assert_pool_empty(batcher)
+
+
 def test_a_request_longer_than_the_pool_still_runs_until_it_stops():
     """Its reservation is capped at the pool: it is admitted, and ends at EOS as generate would."""
     model = tiny_model("llama")
