@@ -2,7 +2,7 @@
 
 - `workload`: the seeded ShareGPT-shaped request stream;
 - `kv_bytes`: KV byte accounting for dense and paged caches;
-- `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token;
+- `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
 - `report`: shared command-line options, model loading, JSON and markdown output.
 
 Nothing in the core package imports this subpackage.

@@ -1,4 +1,5 @@
-"""Timers for the benchmarks: wall and CPU time, per-step stamps inside `generate`, time to first token."""
+"""Timers for the benchmarks: wall and CPU time, per-step stamps inside `generate`, time to first token,
+and `in_fresh_thread`, which runs a contender on a thread of its own."""
 
 from __future__ import annotations
 
