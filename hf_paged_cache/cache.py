@@ -95,7 +95,7 @@ class PagedCache(Cache):
         layer.is_initialized = True
         step = self.batch.step
         if step is not None and layer.length == step.length:
-            self._settle()  # this layer already did the step in progress: a new forward began after a failure
+            self.settle()  # this layer already did the step in progress: a new forward began after a failure
             step = None
         if step is None:
             step = self.batch.begin(layer.length, batch_size, query_length, key_states.device)
@@ -140,8 +140,11 @@ class PagedCache(Cache):
             self.batch.commit()
         return result
 
-    def _settle(self) -> None:
-        """Roll back a step that a failed forward left unfinished (called before reading or changing the cache)."""
+    def settle(self) -> None:
+        """Roll back a step that a failed forward left unfinished; nothing otherwise.
+
+        The cache does this itself before it is read or changed; call it to give the step's blocks back at once.
+        """
         if self.batch.step is not None:
             length = self.batch.rollback()
             for layer in self.layers:
@@ -165,19 +168,19 @@ class PagedCache(Cache):
         keys and values straight from the pool (no dense copy). A step left unfinished by a failed forward
         is rolled back.
         """
-        self._settle()
+        self.settle()
         self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention)
 
     # ------------------------------------------------------------------ the Cache contract
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._settle()
+        self.settle()
         if layer_idx >= len(self.layers):
             return 0
         return self.layers[layer_idx].length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        self._settle()
+        self.settle()
         if layer_idx >= len(self.layers):
             return query_length, 0
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -225,7 +228,7 @@ class PagedCache(Cache):
         self._select_rows(indices)
 
     def _select_rows(self, indices: torch.Tensor | list[int]) -> None:
-        self._settle()
+        self.settle()
         self.batch.select(indices)
 
     def add_rows_from(self, other: PagedCache) -> None:
@@ -238,8 +241,8 @@ class PagedCache(Cache):
         """
         if other.pool is not self.pool or other.batch.tables.root != self.batch.tables.root:
             raise ValueError("add_rows_from() needs a cache on the same pool, built from the same model")
-        self._settle()
-        other._settle()
+        self.settle()
+        other.settle()
         if not other.batch_size:
             return
         length = self.batch.absorb(other.batch)
@@ -250,7 +253,7 @@ class PagedCache(Cache):
 
     def drop_leading_padding(self) -> int:
         """Forget the first positions that are padding in every row (after rows left); returns how many."""
-        self._settle()
+        self.settle()
         drop = self.batch.drop_leading_padding()
         for layer in self.layers:
             layer.length -= drop
@@ -272,7 +275,7 @@ class PagedCache(Cache):
         Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
-        self._settle()
+        self.settle()
         twin = PagedCache(self._source, pool=self.pool)
         self.batch.copy_to(twin.batch)
         for mine, theirs in zip(twin.layers, self.layers):
@@ -345,7 +348,7 @@ class PagedCache(Cache):
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds right now, in total and per layer group."""
-        self._settle()
+        self.settle()
         return CacheStats.of(self.batch.groups, self.pool)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +356,7 @@ class PagedCache(Cache):
 
         A sliding layer gives its last ``sliding_window - 1`` positions; padding positions read zeros.
         """
-        self._settle()
+        self.settle()
         return self.batch.dense(layer_idx, self.layers[layer_idx].window_offset())
 
     def __repr__(self) -> str:
