@@ -3,7 +3,8 @@
 With a `PagedCache` built from the model, `PagedCache.update` writes the new keys and values into the
 pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
 ``cache.update`` and to the attention function): this function then attends straight from the block
-tables, each row to its own real tokens, with no padded copy (`block_attention.attend_from_pool`).
+tables, each row to its own real tokens, with no padded copy (`block_attention.attend_from_pool`). In a
+packed forward (`hf_paged_cache.packed`) it attends each segment of the sequence from its own cache.
 
 Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its
 kwargs, such as GPT-NeoX) it attends over the dense K/V it is given, with the mask transformers built.
@@ -23,7 +24,13 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .block_attention import PAGED_INPUTS, attend_from_pool, explicit_attention
+from .block_attention import (
+    PAGED_INPUTS,
+    PackedAttentionInputs,
+    attend_from_pool,
+    attend_packed,
+    explicit_attention,
+)
 
 ATTENTION_NAME = "paged_sdpa"
 
@@ -47,7 +54,8 @@ def paged_sdpa_attention(
             ``paged_attention_inputs``.
         attention_mask: ``[B, 1, q, kv]`` bool (True = attend) or additive float mask, or None for causal.
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` before masking.
-        kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`).
+        kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`, or
+            from a packed forward's `PackedCaches`, whose `query` is ``[1, Hq, T, D]``).
     Returns:
         ``([B, q, Hq, D], None)``, the layout transformers' attention modules expect.
     """
@@ -58,6 +66,8 @@ def paged_sdpa_attention(
     sinks = kwargs.get("s_aux")
     dropout = dropout if module.training else 0.0
     paged = kwargs.get(PAGED_INPUTS)
+    if isinstance(paged, PackedAttentionInputs):
+        return attend_packed(query, paged, scaling, softcap, sinks, dropout), None
     if paged is not None:
         return attend_from_pool(query, paged, scaling, softcap, sinks, dropout), None
 

@@ -72,6 +72,46 @@ class PagedAttentionInputs:
     padded: PaddedKeys | None = None  # set for a decode step (one real new token per row, keys all in the pool)
 
 
+@dataclass(frozen=True)
+class SegmentSpan:
+    """Where one segment of a packed forward sits: ``rows x length`` tokens from index `start`, row after row."""
+
+    start: int
+    rows: int
+    length: int
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[rows, heads, length, dim]``: this segment's slice of packed ``[1, heads, T, dim]`` states."""
+        heads, dim = packed.shape[1], packed.shape[-1]
+        own = packed[0, :, self.start : self.start + self.rows * self.length]  # [heads, rows * length, dim]
+        return own.reshape(heads, self.rows, self.length, dim).transpose(0, 1)
+
+
+@dataclass
+class PackedAttentionInputs:
+    """A packed forward's segments (`hf_paged_cache.packed`): where each sits, and its own attention inputs."""
+
+    spans: list[SegmentSpan]
+    inputs: list[PagedAttentionInputs]
+
+
+def attend_packed(
+    query: torch.Tensor,
+    packed: PackedAttentionInputs,
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention of a packed `query` ``[1, Hq, T, D]``, each segment from its own rows; returns ``[1, T, Hq, Dv]``."""
+    outs = []
+    for span, inputs in zip(packed.spans, packed.inputs, strict=True):
+        own = span.unpack(query).contiguous()  # [rows, Hq, length, D]
+        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout)  # [rows, length, Hq, Dv]
+        outs.append(out.reshape(1, span.rows * span.length, *out.shape[2:]))
+    return torch.cat(outs, dim=1)
+
+
 def attend_from_pool(
     query: torch.Tensor,
     inputs: PagedAttentionInputs,
