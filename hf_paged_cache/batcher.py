@@ -7,12 +7,19 @@ A background thread runs the loop; each iteration is one step:
    ``reserve_new_tokens=False``, while its prompt fits with one block of headroom per request in flight,
    and fewer than `max_running` are in flight; an admitted request starts from the longest prefix the pool
    has cached;
-2. **prefill** admitted requests without padding, one forward per request, in chunks so that a step
-   computes at most `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token
-   and joins the running batch by block table (no key or value is copied);
-3. **decode**: one forward for every running request (attention straight from the block tables), each
-   picks its next token; a finished request leaves at once and its blocks go back to the pool (full ones
-   stay findable by prefix).
+2. **prefill** admitted requests without padding, in chunks so that a step computes at most
+   `max_step_tokens` prompt tokens; a request whose prompt is done picks its first token and joins the
+   running batch by block table (no key or value is copied);
+3. **decode**: every running request computes its next token (attention straight from the block tables)
+   and picks it; a finished request leaves at once and its blocks go back to the pool (full ones stay
+   findable by prefix).
+
+With `pack_steps` (the default), a step's prompt chunks and decode rows run in one forward over one packed
+sequence (`hf_paged_cache.packed`): the weights are read once per step and the decode rows ride in the
+prompt chunks' large matmuls. A request then joins the running batch one step after its prompt is done.
+Otherwise each prompt chunk is a forward of its own, followed by one decode forward for every running
+request, the newly prefilled ones included. A packed step that fails (the pool runs out, a request's own
+bad input) is computed again unpacked, where each failure is handled as described below.
 
 When the pool runs out in the middle of a decode (without reservation, or when another cache shares the
 pool and takes blocks), the most recently admitted request is preempted: its blocks are freed and it waits
@@ -37,6 +44,7 @@ from .attention import ATTENTION_NAME, set_paged_attention
 from .cache import PagedCache
 from .errors import PoolExhaustedError
 from .kv_pool import KVPool
+from .packed import PackingUnsupported, Segment, packed_forward
 from .request import Request, RequestHandle
 
 DEFAULT_MAX_STEP_TOKENS = 512
@@ -58,6 +66,8 @@ class ContinuousBatcher:
             step until each reaches its longest (prompt and ``max_new_tokens``), so that none is preempted
             and computed twice; False admits while its prompt fits (more requests at once, preempted when
             the pool runs out).
+        pack_steps: run each step's prompt chunks and decode rows in one packed forward (needs
+            ``paged_sdpa``; turned off by itself for a model that cannot); False runs them one by one.
 
     `submit` is thread-safe and starts the loop on first use; `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back.
@@ -75,6 +85,7 @@ class ContinuousBatcher:
         max_step_tokens: int | None = None,
         tokenizer: Any = None,
         reserve_new_tokens: bool = True,
+        pack_steps: bool = True,
     ):
         self.model = model
         if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -90,6 +101,7 @@ class ContinuousBatcher:
         self.max_step_tokens = max_step_tokens or DEFAULT_MAX_STEP_TOKENS
         self.tokenizer = tokenizer
         self.reserve_new_tokens = reserve_new_tokens
+        self.pack_steps = pack_steps and model.config._attn_implementation == ATTENTION_NAME
         self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self._ids = itertools.count()
         self._wakeup = threading.Condition()
@@ -101,6 +113,7 @@ class ContinuousBatcher:
         self._prefilling: list[tuple[Request, PagedCache, int]] = []  # request, its cache, tokens computed
         self._running: list[Request] = []  # in the order of the running cache's rows
         self.preemptions = 0  # requests preempted so far (pool exhausted mid-decode)
+        self.packed_steps = 0  # steps run as one packed forward so far
 
     # ------------------------------------------------------------------ public API
 
@@ -170,8 +183,9 @@ class ContinuousBatcher:
             try:
                 with torch.no_grad():
                     self._admit()
-                    self._prefill()
-                    self._decode()
+                    if not self._step_packed():
+                        self._prefill()
+                        self._decode()
             except BaseException as error:  # noqa: BLE001 (no request may wait forever on a dead loop)
                 self._fail_in_flight(error)
 
@@ -221,7 +235,7 @@ class ContinuousBatcher:
         queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
         for other, done in [*((r, done) for r, _, done in self._prefilling), (request, 0)]:
             queued += len(other.tokens) - done
-            ready = -(-queued // self.max_step_tokens)
+            ready = -(-queued // self.max_step_tokens) + self.pack_steps  # packed: it decodes the step after
             lifetimes.append(Lifetime.prefilling(len(other.tokens), other.max_length, ready))
         caches = [self.running_cache, *(cache for _, cache, _ in self._prefilling)]
         for group, (blocks, layers) in enumerate(zip(self.pool.groups, self.pool.layer_groups)):
@@ -236,6 +250,81 @@ class ContinuousBatcher:
 
     def _blocks_needed(self, num_tokens: int) -> list[int]:
         return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
+
+    def _step_packed(self) -> bool:
+        """Prompt chunks and decode rows in one packed forward; False when the step is to run unpacked.
+
+        That is when packing is off, when there is no prompt chunk or a single one and nothing else, and
+        when the packed forward fails (every cache is then as it was).
+        """
+        if not self.pack_steps or not self._prefilling:
+            return False
+        chunks = self._chunks()
+        if not self._running and len(chunks) == 1:
+            return False
+        try:
+            logits = packed_forward(self.model, *self._segments(chunks))  # [decode rows + prompts done, vocab]
+        except PackingUnsupported:
+            self.pack_steps = False
+            return False
+        except Exception:  # noqa: BLE001 (the unpacked step handles it: preemption, or the one request's failure)
+            return False
+        finished = [row for row, request in enumerate(self._running) if request.choose(logits[row])[1]]
+        next_logits, still, joining = len(self._running), [], []
+        for request, cache, done, chunk in chunks:
+            if done + len(chunk) < len(request.tokens):
+                still.append((request, cache, done + len(chunk)))
+                continue
+            if request.choose(logits[next_logits])[1]:
+                cache.release()
+                request.handle._finish()
+            else:
+                joining.append((request, cache))
+            next_logits += 1
+        self._retire(finished)
+        for request, cache in joining:
+            self.running_cache.add_rows_from(cache)
+            self._running.append(request)
+        self._prefilling = still + self._prefilling[len(chunks) :]
+        self.packed_steps += 1
+        return True
+
+    def _segments(self, chunks: list[tuple[Request, PagedCache, int, list[int]]]) -> tuple[list[Segment], list[int]]:
+        """The packed step's segments (the decode rows, then each chunk) and where to take logits: at every
+        decode row, and at the last token of each chunk that ends its prompt."""
+        segments, logits_at = [], []
+        if self._running:
+            segments.append(Segment(self.running_cache, *self._decode_inputs()))
+            logits_at += range(len(self._running))
+        end = len(self._running)
+        for request, cache, done, chunk in chunks:
+            positions = torch.arange(done, done + len(chunk)).unsqueeze(0)  # [1, c]
+            segments.append(Segment(cache, torch.tensor([chunk]), positions))
+            end += len(chunk)
+            if done + len(chunk) == len(request.tokens):
+                logits_at.append(end - 1)
+        return segments, logits_at
+
+    def _chunks(self) -> list[tuple[Request, PagedCache, int, list[int]]]:
+        """The prompt chunks of this step, oldest request first, `max_step_tokens` tokens in all: each with
+        its request, cache and the tokens computed before it."""
+        budget, chunks = self.max_step_tokens, []
+        for request, cache, done in self._prefilling:
+            if budget <= 0:
+                break
+            chunk = request.tokens[done : done + budget]
+            chunks.append((request, cache, done, chunk))
+            budget -= len(chunk)
+        return chunks
+
+    def _decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The running rows' next forward: input ids ``[B, 1]``, positions ``[B, 1]``, mask ``[B, L + 1]``."""
+        device = self.model.device
+        input_ids = torch.tensor([[r.generated[-1]] for r in self._running], device=device)  # [B, 1]
+        positions = torch.tensor([[len(r.tokens) - 1] for r in self._running], device=device)  # [B, 1]
+        real = self.running_cache.is_real.to(device)
+        mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + 1]
+        return input_ids, positions, mask
 
     def _prefill(self) -> None:
         """Compute up to `max_step_tokens` prompt tokens; requests whose prompt is done join the running batch."""
@@ -281,14 +370,10 @@ class ContinuousBatcher:
     def _decode(self) -> None:
         """One forward for every running request; finished ones leave at once."""
         while self._running:
-            cache = self.running_cache
-            device = self.model.device
-            input_ids = torch.tensor([[r.generated[-1]] for r in self._running], device=device)  # [B, 1]
-            mask = torch.cat([cache.is_real.to(device), torch.ones_like(input_ids, dtype=torch.bool)], dim=1)
-            positions = torch.tensor([[len(r.tokens) - 1] for r in self._running], device=device)  # [B, 1]
+            input_ids, positions, mask = self._decode_inputs()
             try:
-                out = self.model(input_ids=input_ids, attention_mask=mask.long(), position_ids=positions,
-                                 cache=cache, use_cache=True)
+                out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                 cache=self.running_cache, use_cache=True)
             except PoolExhaustedError as error:
                 if len(self._running) == 1:
                     self._retire([0], error)
@@ -330,7 +415,8 @@ def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torc
 
 
 _BATCHER_ARGUMENTS = (
-    "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_step_tokens", "tokenizer", "reserve_new_tokens"
+    "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_step_tokens", "tokenizer",
+    "reserve_new_tokens", "pack_steps",
 )
 
 

@@ -54,6 +54,21 @@ def test_32_requests_from_4_threads_match_generate_alone(model_type):
         for thread in threads:
             thread.join()
     assert [results[i] for i in range(32)] == expected
+    assert batcher.packed_steps > 0
+    assert_pool_empty(batcher)
+
+
+@pytest.mark.parametrize("model_type, pack_steps", [("llama", False), ("gpt_neox", True)])
+def test_unpacked_steps_give_the_same_tokens(model_type, pack_steps):
+    """Asked not to pack, or on a model that cannot (GPT-NeoX does not hand cache.update its attention kwargs,
+    so packing turns itself off at the first packed step), each prompt chunk runs as a forward of its own."""
+    model = tiny_model(model_type)
+    work = requests(12, seed=2)
+    expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
+    with ContinuousBatcher(model, block_size=4, max_step_tokens=48, pack_steps=pack_steps) as batcher:
+        handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        assert [h.result(timeout=120) for h in handles] == expected
+        assert (batcher.packed_steps, batcher.pack_steps) == (0, False)
     assert_pool_empty(batcher)
 
 
