@@ -9,7 +9,10 @@ lengths are exact). All requests arrive at time 0. Contenders (``--contenders``)
   ``DynamicCache``; a batch runs ``max(o_i)`` steps (rows cannot stop early), then the next starts;
 - ``paged``: the same batches with ``PagedCache(model, max_memory=budget)`` and ``paged_sdpa``;
 - ``generate_batch``: transformers' continuous batching (``model.generate_batch``), a cache of the budget;
-- ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=budget``).
+- ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=budget``), each step's prompt chunks and
+  decode rows in one packed forward;
+- ``batcher_unpacked``: the same with ``pack_steps=False`` (each prompt chunk a forward of its own, then
+  one decode forward).
 
 The budget (``--budget``, default: what one static batch of the longest requests needs in whole blocks,
 ``(batch_size x ceil((max_prompt + max_new) / block_size) + 1) x block_size x bytes per token``, the + 1 for
@@ -60,7 +63,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 
-CONTENDERS = ("dynamic", "paged", "generate_batch", "batcher")
+CONTENDERS = ("dynamic", "paged", "generate_batch", "batcher", "batcher_unpacked")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,16 +152,16 @@ def run_generate_batch(model: PreTrainedModel, prompts: list[list[int]], outputs
 
 
 def run_batcher(model: PreTrainedModel, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace,
-                budget: int) -> dict[str, Any]:
-    with ContinuousBatcher(model, max_memory=budget, block_size=args.block_size) as batcher:
+                budget: int, pack_steps: bool = True) -> dict[str, Any]:
+    with ContinuousBatcher(model, max_memory=budget, block_size=args.block_size, pack_steps=pack_steps) as batcher:
         start = time.perf_counter()
         handles = [batcher.submit(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
                    for p, n in zip(prompts, outputs, strict=True)]
         tokens = [h.result() for h in handles]
         seconds = time.perf_counter() - start
-        preemptions = batcher.preemptions
+        preemptions, packed_steps = batcher.preemptions, batcher.packed_steps
     return {"seconds": seconds, "tokens": tokens, "ttft": [h.first_token_time - start for h in handles],
-            "preemptions": preemptions}
+            "preemptions": preemptions, "packed_steps": packed_steps}
 
 
 def reference(model: PreTrainedModel, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if name == "generate_batch":
             model.set_attn_implementation(original_attention)  # its own paged attention needs a stock backend
             return run_generate_batch(model, p, o, args, budget)
-        return run_batcher(model, p, o, args, budget)
+        return run_batcher(model, p, o, args, budget, pack_steps=name == "batcher")
 
     for name in contenders:  # warm-up round, untimed
         run(name, args.batch_size)
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seconds": [r["seconds"] for r in rounds],
             "tokens_identical": None if expected is None else all(r["tokens"] == expected for r in rounds),
             "preemptions": [r.get("preemptions") for r in rounds],
+            "packed_steps": [r.get("packed_steps") for r in rounds],
         }
     write_json(args.out, results, model.device)
     print_report(results)

@@ -360,11 +360,12 @@ def serving_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
 
 def test_bench_serving(serving_result: dict[str, Any], tiny_dir: str) -> None:
     results = serving_result
-    assert set(results["contenders"]) == {"dynamic", "paged", "generate_batch", "batcher"}
+    assert set(results["contenders"]) == {"dynamic", "paged", "generate_batch", "batcher", "batcher_unpacked"}
     for name, r in results["contenders"].items():
         assert r["tokens_identical"] is not False, name
         assert r["tokens_per_s"] > 0 and 0 <= r["ttft_p50_s"] <= r["ttft_p95_s"], name
-    for name in ("dynamic", "paged", "batcher"):  # generate_batch's unpadded float rounding may differ
+    for name in ("dynamic", "paged", "batcher", "batcher_unpacked"):  # generate_batch's float rounding may differ
         assert results["contenders"][name]["tokens_identical"], name
+    assert results["contenders"]["batcher_unpacked"]["packed_steps"] == [0]
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(tiny_dir), torch.float32)
     assert results["budget_bytes"] == (3 * math.ceil((24 + 6) / 4) + 1) * 4 * per_token
