@@ -12,6 +12,10 @@ saves (two gathers and one SDPA call per row and layer), so every row's keys are
 ``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
 whole batch.
 
+A packed forward (`hf_paged_cache.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
+`attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
+cache as above.
+
 Masks are built from logical positions, as transformers builds its own: a query at position ``p`` sees the
 stored keys at positions ``k <= p`` (causal) and, on a sliding layer of window ``W``, ``k > p - W``.
 """

@@ -122,8 +122,8 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_a
             segment.input_ids, segment.attention_mask, segment.length, segment.position_ids, attention
         )
     device = model.device
-    input_ids = torch.cat([s.input_ids.reshape(-1) for s in placed]).unsqueeze(0).to(device)  # [1, T]
-    position_ids = torch.cat([s.position_ids.reshape(-1) for s in placed]).unsqueeze(0).to(device)  # [1, T]
+    input_ids = torch.cat([s.input_ids.reshape(-1).to(device) for s in placed]).unsqueeze(0)  # [1, T]
+    position_ids = torch.cat([s.position_ids.reshape(-1).to(device) for s in placed]).unsqueeze(0)  # [1, T]
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, cache=PackedCaches(placed), use_cache=True,
                     logits_to_keep=torch.tensor(list(logits_at), device=device))
