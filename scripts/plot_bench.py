@@ -188,9 +188,10 @@ def plot_cb(runs: list[dict[str, Any]], out: Path) -> Path:
 def plot_serving(data: dict[str, Any], out: Path) -> Path:
     c = data["contenders"]
     names = list(c)
+    labels = [n.replace("_", "\n") for n in names]  # "batcher_unpacked" on two lines, clear of its neighbours
     colors = [COLORS.get(n, "#1f77b4") for n in names]
     fig, (speed, latency) = plt.subplots(1, 2, figsize=(9, 3.8))
-    speed.bar(names, [c[n]["tokens_per_s"] for n in names], color=colors)
+    speed.bar(labels, [c[n]["tokens_per_s"] for n in names], color=colors)
     for i, n in enumerate(names):
         low, high = c[n]["tokens_per_s_range"]
         speed.plot([i, i], [low, high], color="black", linewidth=1)
@@ -199,7 +200,7 @@ def plot_serving(data: dict[str, Any], out: Path) -> Path:
     x = range(len(names))
     latency.bar([i - 0.2 for i in x], [c[n]["ttft_p50_s"] for n in names], 0.4, label="p50", color="#2ca02c")
     latency.bar([i + 0.2 for i in x], [c[n]["ttft_p95_s"] for n in names], 0.4, label="p95", color="#98df8a")
-    latency.set_xticks(list(x), names)
+    latency.set_xticks(list(x), labels)
     latency.set_ylabel("time to first token, s")
     latency.legend(fontsize=8)
     for axis in (speed, latency):
