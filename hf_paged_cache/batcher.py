@@ -327,14 +327,10 @@ class ContinuousBatcher:
         return input_ids, positions, mask
 
     def _prefill(self) -> None:
-        """Compute up to `max_step_tokens` prompt tokens; requests whose prompt is done join the running batch."""
-        budget, still = self.max_step_tokens, []
-        for index, (request, cache, done) in enumerate(self._prefilling):
-            tokens = request.tokens
-            if budget <= 0:
-                still.append((request, cache, done))
-                continue
-            chunk = tokens[done : done + budget]
+        """Compute this step's prompt chunks (`_chunks`), a forward each; requests whose prompt is done join the
+        running batch."""
+        chunks, still = self._chunks(), []
+        for index, (request, cache, done, chunk) in enumerate(chunks):
             try:
                 out = self.model(
                     input_ids=torch.tensor([chunk], device=self.model.device),
@@ -347,15 +343,14 @@ class ContinuousBatcher:
                     request.handle._finish(error)  # alone and still too big: it can never fit
                 else:
                     self._waiting.appendleft(request)  # retry when blocks free up
-                still.extend(self._prefilling[index + 1 :])
+                still.extend((other, its_cache, its_done) for other, its_cache, its_done, _ in chunks[index + 1 :])
                 break
             except Exception as error:  # noqa: BLE001 (the request's own failure, reported on its handle)
                 cache.release()
                 request.handle._finish(error)
                 continue
-            budget -= len(chunk)
             done += len(chunk)
-            if done < len(tokens):
+            if done < len(request.tokens):
                 still.append((request, cache, done))
                 continue
             _, finished = request.choose(out.logits[0, -1])
@@ -365,7 +360,7 @@ class ContinuousBatcher:
             else:
                 self.running_cache.add_rows_from(cache)
                 self._running.append(request)
-        self._prefilling = still
+        self._prefilling = still + self._prefilling[len(chunks) :]
 
     def _decode(self) -> None:
         """One forward for every running request; finished ones leave at once."""
