@@ -170,6 +170,22 @@ def test_bad_requests_fail_alone():
     assert_pool_empty(batcher)
 
 
+def test_a_request_that_breaks_a_packed_step_fails_alone():
+    """A token id outside the vocabulary fails the packed forward it shares with others: the step is computed
+    again unpacked, where only that request fails; the other requests, packed or not, keep their tokens."""
+    model = tiny_model("llama")
+    work = requests(6, seed=6)
+    with ContinuousBatcher(model, block_size=4, max_step_tokens=64) as batcher:
+        with batcher._wakeup:  # the loop sees every request at its first step: the broken one packed with others
+            broken = batcher.submit([5, 6, VOCAB + 7, 8], max_new_tokens=3)
+            handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        with pytest.raises(IndexError):
+            broken.result(timeout=60)
+        assert [h.result(timeout=60) for h in handles] == [alone(model, p, max_new_tokens=n) for p, n in work]
+        assert batcher.pack_steps and batcher.packed_steps > 0
+    assert_pool_empty(batcher)
+
+
 def test_close_fails_unfinished_requests_and_frees_every_block():
     model = tiny_model("llama")
     batcher = ContinuousBatcher(model, block_size=4, max_running=1)
