@@ -270,21 +270,14 @@ class ContinuousBatcher:
         except Exception:  # noqa: BLE001 (the unpacked step handles it: preemption, or the one request's failure)
             return False
         finished = [row for row, request in enumerate(self._running) if request.choose(logits[row])[1]]
-        next_logits, still, joining = len(self._running), [], []
+        next_logits, still = len(self._running), []
         for request, cache, done, chunk in chunks:
             if done + len(chunk) < len(request.tokens):
                 still.append((request, cache, done + len(chunk)))
                 continue
-            if request.choose(logits[next_logits])[1]:
-                cache.release()
-                request.handle._finish()
-            else:
-                joining.append((request, cache))
+            self._prompt_done(request, cache, logits[next_logits])  # joins after the rows in `finished`
             next_logits += 1
         self._retire(finished)
-        for request, cache in joining:
-            self.running_cache.add_rows_from(cache)
-            self._running.append(request)
         self._prefilling = still + self._prefilling[len(chunks) :]
         self.packed_steps += 1
         return True
@@ -353,14 +346,18 @@ class ContinuousBatcher:
             if done < len(request.tokens):
                 still.append((request, cache, done))
                 continue
-            _, finished = request.choose(out.logits[0, -1])
-            if finished:
-                cache.release()
-                request.handle._finish()
-            else:
-                self.running_cache.add_rows_from(cache)
-                self._running.append(request)
+            self._prompt_done(request, cache, out.logits[0, -1])
         self._prefilling = still + self._prefilling[len(chunks) :]
+
+    def _prompt_done(self, request: Request, cache: PagedCache, logits: torch.Tensor) -> None:
+        """`request`'s prompt is all in `cache`: it picks its first token from `logits` ``[vocab]``, then either
+        finishes (its blocks go back) or joins the running batch as its last row."""
+        if request.choose(logits)[1]:
+            cache.release()
+            request.handle._finish()
+        else:
+            self.running_cache.add_rows_from(cache)
+            self._running.append(request)
 
     def _decode(self) -> None:
         """One forward for every running request; finished ones leave at once."""
