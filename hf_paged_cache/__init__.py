@@ -1,19 +1,10 @@
 """A paged KV cache for Hugging Face transformers: `PagedCache` drops into `model.generate`."""
 
-from .attention import (
-    ATTENTION_NAME,
-    paged_sdpa_attention,
-    register_paged_attention,
-    set_paged_attention,
-)
-from .batcher import ContinuousBatcher, generate_many
-from .block_pool import BlockPool
-from .cache import CacheStats, PagedCache
-from .request import RequestHandle
+from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
+from .cache import CacheStats, GroupStats, PagedCache
 from .errors import KVMemoryError, PoolExhaustedError
-from .kv_pool import KVPool
-from .memory import KVLayout, LayerGroup, LayerShape, bytes_per_block, parse_memory
-from .stats import GroupStats
+from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
+from .serving import ContinuousBatcher, RequestHandle, generate_many
 
 register_paged_attention()
 

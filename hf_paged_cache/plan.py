@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .memory import (
+from .models import DEFAULT_MODEL, resolve_model_path
+from .pool.memory import (
     KVLayout,
     LayerGroup,
     LayerShape,
@@ -39,7 +40,6 @@ from .memory import (
     format_memory,
     parse_memory,
 )
-from .models import DEFAULT_MODEL, resolve_model_path
 
 DEFAULT_BATCH, DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 32, 512, 256
 DEFAULT_DTYPE, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MEMORY = "bfloat16", 16, "24GiB"

@@ -6,7 +6,7 @@ from test_batcher import alone, assert_pool_empty, requests
 from tiny_models import tiny_model
 
 from hf_paged_cache import ContinuousBatcher
-from hf_paged_cache.admission import Lifetime, peak_blocks
+from hf_paged_cache.serving.admission import Lifetime, peak_blocks
 
 
 def every_step_peak(lifetimes: list[Lifetime], block_size: int, cap: int) -> int:

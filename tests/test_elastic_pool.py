@@ -17,9 +17,9 @@ from hf_paged_cache import (
     PagedCache,
     PoolExhaustedError,
 )
-from hf_paged_cache.block_pool import hash_block
-from hf_paged_cache.locks import SharedExclusiveLock
-from hf_paged_cache.memory import KVLayout
+from hf_paged_cache.pool.block_pool import hash_block
+from hf_paged_cache.pool.locks import SharedExclusiveLock
+from hf_paged_cache.pool.memory import KVLayout
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ def test_growth_resizes_storage_in_place_keeping_contents(llama):
 
 
 def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes_nothing(llama, monkeypatch):
-    from hf_paged_cache import kv_pool
+    from hf_paged_cache.pool import kv_pool
 
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
@@ -307,7 +307,7 @@ def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes
 
 
 def test_storage_that_cannot_be_created_raises_with_its_bytes(llama, monkeypatch):
-    from hf_paged_cache import kv_pool
+    from hf_paged_cache.pool import kv_pool
 
     pool = KVPool.for_config(llama.config, num_blocks=10, block_size=4)
 

@@ -5,9 +5,10 @@ import torch
 from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
-import hf_paged_cache.cache as cache_module
-import hf_paged_cache.step as step_module
-from hf_paged_cache import PagedCache, block_attention, set_paged_attention
+import hf_paged_cache.cache.paged_cache as cache_module
+import hf_paged_cache.cache.step as step_module
+from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache.attention import block_attention
 
 
 def count_dense_gathers(monkeypatch):

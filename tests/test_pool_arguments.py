@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_model
 
 from hf_paged_cache import BlockPool, KVLayout, KVPool, PagedCache, parse_memory
-from hf_paged_cache.memory import LayerShape
+from hf_paged_cache.pool.memory import LayerShape
 
 PER_BLOCK = 2 * 2 * 2 * 16 * 16 * 4  # tiny llama: 2 layers x 2 KV heads x (16 + 16) dims x 16 tokens x 4 bytes
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged_cache import BlockPool, PoolExhaustedError
-from hf_paged_cache.block_table import BlockTables
+from hf_paged_cache.cache.block_table import BlockTables
 
 BLOCK_SIZE = 4
 

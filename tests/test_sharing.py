@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged_cache import KVPool, PagedCache
-from hf_paged_cache.block_pool import hash_block
+from hf_paged_cache.pool.block_pool import hash_block
 from tiny_models import VOCAB, ragged_batch, tiny_model
 
 MODEL = tiny_model("llama")

@@ -200,7 +200,7 @@ def test_prefix_reuse_needs_the_window_blocks():
 def test_a_sliding_group_out_of_blocks_changes_nothing():
     """The full group has room, a sliding group does not: the step fails whole, every group as it was."""
     from hf_paged_cache import KVPool, PoolExhaustedError
-    from hf_paged_cache.memory import KVLayout
+    from hf_paged_cache.pool.memory import KVLayout
 
     model = tiny_model("gemma3_text")
     layout = KVLayout.from_config(model.config)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import transformers
 
-from ..memory import KVLayout
+from ..pool.memory import KVLayout
 
 
 def kv_bytes_per_token(config: transformers.PreTrainedConfig, dtype: torch.dtype) -> int:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..batcher import ContinuousBatcher
-from ..cache import PagedCache
+from ..cache.paged_cache import PagedCache
+from ..serving.batcher import ContinuousBatcher
 from .perplexity import cache_bytes, num_blocks_for
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cache import PagedCache
+from ..cache.paged_cache import PagedCache
 
 __all__ = [
     "CACHE_MODES",

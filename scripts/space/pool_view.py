@@ -29,8 +29,8 @@ from hf_paged_cache.bench import (
     stored_tokens,
     used_bytes,
 )
-from hf_paged_cache.block_pool import NULL_BLOCK
-from hf_paged_cache.memory import format_memory
+from hf_paged_cache.pool.block_pool import NULL_BLOCK
+from hf_paged_cache.pool.memory import format_memory
 
 ROW_COLORS: tuple[str, ...] = (
     "#1f77b4",  # blue

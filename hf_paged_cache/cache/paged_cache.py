@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 
+from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs
+from ..pool.kv_pool import KVPool
+from ..pool.memory import KVLayout, attention_windows
 from .batch import PagedBatch
-from .block_attention import PAGED_INPUTS, PagedAttentionInputs
 from .block_table import BlockTables
 from .inputs import install_input_hook, prefix_root
-from .kv_pool import KVPool
 from .layer import PagedLayer
-from .memory import KVLayout, attention_windows
 from .stats import CacheStats
 from .step import gather, write_new_tokens
 

@@ -12,7 +12,7 @@ saves (two gathers and one SDPA call per row and layer), so every row's keys are
 ``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
 whole batch.
 
-A packed forward (`hf_paged_cache.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
+A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
 cache as above.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .locks import SharedExclusiveLock
+from ..pool.locks import SharedExclusiveLock
 
 PAGED_INPUTS = "paged_attention_inputs"
 """The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
@@ -93,7 +93,7 @@ class SegmentSpan:
 
 @dataclass
 class PackedAttentionInputs:
-    """A packed forward's segments (`hf_paged_cache.packed`): where each sits, and its own attention inputs."""
+    """A packed forward's segments (`hf_paged_cache.serving.packed`): where each sits, and its own attention inputs."""
 
     spans: list[SegmentSpan]
     inputs: list[PagedAttentionInputs]

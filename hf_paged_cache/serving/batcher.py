@@ -3,7 +3,7 @@
 A background thread runs the loop; each iteration is one step:
 
 1. **admit** waiting requests, oldest first, while the pool can hold every request in flight at every step
-   until each reaches its longest (prompt and ``max_new_tokens``; `hf_paged_cache.admission`), or, with
+   until each reaches its longest (prompt and ``max_new_tokens``; `hf_paged_cache.serving.admission`), or, with
    ``reserve_new_tokens=False``, while its prompt fits with one block of headroom per request in flight,
    and fewer than `max_running` are in flight; an admitted request starts from the longest prefix the pool
    has cached;
@@ -15,7 +15,7 @@ A background thread runs the loop; each iteration is one step:
    findable by prefix).
 
 With `pack_steps` (the default), a step's prompt chunks and decode rows run in one forward over one packed
-sequence (`hf_paged_cache.packed`): the weights are read once per step and the decode rows ride in the
+sequence (`hf_paged_cache.serving.packed`): the weights are read once per step and the decode rows ride in the
 prompt chunks' large matmuls. A request then joins the running batch one step after its prompt is done.
 Otherwise each prompt chunk is a forward of its own, followed by one decode forward for every running
 request, the newly prefilled ones included. A packed step that fails (the pool runs out, a request's own
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..attention.paged_sdpa import ATTENTION_NAME, set_paged_attention
+from ..cache.paged_cache import PagedCache
+from ..errors import PoolExhaustedError
+from ..pool.kv_pool import KVPool
 from .admission import Lifetime, peak_blocks
-from .attention import ATTENTION_NAME, set_paged_attention
-from .cache import PagedCache
-from .errors import PoolExhaustedError
-from .kv_pool import KVPool
 from .packed import PackingUnsupported, Segment, packed_forward
 from .request import Request, RequestHandle
 

@@ -4,7 +4,7 @@ With a `PagedCache` built from the model, `PagedCache.update` writes the new key
 pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
 ``cache.update`` and to the attention function): this function then attends straight from the block
 tables, each row to its own real tokens, with no padded copy (`block_attention.attend_from_pool`). In a
-packed forward (`hf_paged_cache.packed`) it attends each segment of the sequence from its own cache.
+packed forward (`hf_paged_cache.serving.packed`) it attends each segment of the sequence from its own cache.
 
 Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its
 kwargs, such as GPT-NeoX) it attends over the dense K/V it is given, with the mask transformers built.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .block_pool import NULL_BLOCK
+from ..pool.block_pool import NULL_BLOCK
 from .block_table import BlockTables
 
 _RETRIES = 3  # lookups to try again when another thread evicts a block between lookup and hold

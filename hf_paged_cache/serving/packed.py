@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedModel
 
-from .attention import ATTENTION_NAME
-from .block_attention import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
-from .cache import PagedCache
+from ..attention.block_attention import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
+from ..attention.paged_sdpa import ATTENTION_NAME
+from ..cache.paged_cache import PagedCache
 
 
 class PackingUnsupported(NotImplementedError):

@@ -56,8 +56,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedConfig
 
+from ..errors import KVMemoryError
 from .block_pool import FIXED, NULL_BLOCK, BlockPool, as_count
-from .errors import KVMemoryError
 from .locks import SharedExclusiveLock
 from .memory import (
     KVLayout,
@@ -278,7 +278,7 @@ class KVPool:
         if self.storage_lock.held_shared() and not self.storage_lock.held_exclusive():
             raise RuntimeError(
                 f"{what} needs storage_lock.exclusive(), but this thread holds storage_lock.shared(): take blocks "
-                "and call layer() before entering shared() (see the protocol in hf_paged_cache/kv_pool.py)"
+                "and call layer() before entering shared() (see the protocol in hf_paged_cache/pool/kv_pool.py)"
             )
         with self.storage_lock.exclusive():
             yield

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-if TYPE_CHECKING:
-    from .cache import PagedCache
+from ..pool.kv_pool import KVPool
+from .batch import PagedBatch
+
+
+class LayerOwner(Protocol):
+    """What a `PagedLayer` needs of the cache it belongs to (a `PagedCache`, which this module does not import)."""
+
+    pool: KVPool
+    batch: PagedBatch
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 class PagedLayer(CacheLayerMixin):
     """One layer's view of a `PagedCache`: its length and attention window; the data lives in the pool.
@@ -24,7 +38,7 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
+    def __init__(self, cache: LayerOwner, layer_idx: int, sliding_window: int | None = None):
         self._cache_ref = weakref.ref(cache)
         super().__init__()
         self.layer_idx = layer_idx
@@ -32,7 +46,7 @@ class PagedLayer(CacheLayerMixin):
         self.length = 0  # logical positions seen, padding included (as `DynamicLayer.get_seq_length`)
 
     @property
-    def _cache(self) -> PagedCache:
+    def _cache(self) -> LayerOwner:
         cache = self._cache_ref()
         if cache is None:
             raise ReferenceError("this PagedLayer's PagedCache no longer exists")

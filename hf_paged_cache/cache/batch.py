@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention import ATTENTION_NAME
+from ..attention.paged_sdpa import ATTENTION_NAME
+from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, slots_for_positions
 from .inputs import PendingInputs
-from .kv_pool import KVPool
 from .prefix import adopt_longest_prefix
 from .step import (
     Step,

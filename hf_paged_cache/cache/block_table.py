@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_pool import NULL_BLOCK, BlockPool, hash_block
-from .errors import PoolExhaustedError
+from ..errors import PoolExhaustedError
+from ..pool.block_pool import NULL_BLOCK, BlockPool, hash_block
 
 
 class BlockTables:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_attention import PaddedKeys, QueryRows, RowKeys
+from ..attention.block_attention import PaddedKeys, QueryRows, RowKeys
+from ..errors import PoolExhaustedError
+from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
-from .errors import PoolExhaustedError
-from .kv_pool import KVPool
 
 DECODE_MAX_PADDING = 256
 """Mean padding positions per row up to which a decode step attends all rows in one padded SDPA call.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .block_pool import NULL_BLOCK
+from ..pool.block_pool import NULL_BLOCK
+from ..pool.kv_pool import KVPool
 from .block_table import BlockTables
-from .kv_pool import KVPool
 
 
 @dataclass(frozen=True)

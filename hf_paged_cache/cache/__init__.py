@@ -1,0 +1,6 @@
+"""`PagedCache` (the `transformers.Cache` contract), its rows, step planning, block tables and stats."""
+
+from .paged_cache import PagedCache
+from .stats import CacheStats, GroupStats
+
+__all__ = ["CacheStats", "GroupStats", "PagedCache"]
