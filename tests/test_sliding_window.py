@@ -197,6 +197,26 @@ def test_prefix_reuse_needs_the_window_blocks():
         shorter.release()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "paged_sdpa"])
+def test_chunks_that_end_inside_a_block_register_only_written_blocks(attention):
+    """A chunked prefill whose chunk ends inside a block: the next chunk's first tokens land in that block, and
+    the sliding group must write them there, since a later request that shares the prefix reads that block."""
+    model = model_with("gemma3_text", attention)
+    prompt = torch.randint(3, VOCAB, (1, 28), generator=torch.Generator().manual_seed(2))
+    with PagedCache(model, block_size=BLOCK, num_blocks=64) as first, torch.no_grad():
+        # chunk 1: tokens 0-13 (block 3 holds 12-13); chunk 2: tokens 14-27, of which the window keeps 17-27:
+        # 14 and 15 fall in block 3, before the first block the window keeps, yet block 3 is held and full
+        model(input_ids=prompt[:, :14], position_ids=torch.arange(14).unsqueeze(0), cache=first)
+        model(input_ids=prompt[:, 14:], position_ids=torch.arange(14, 28).unsqueeze(0), cache=first)
+        second = torch.cat([prompt[:, :20], torch.tensor([[7, 8, 9, 10, 11, 12]])], dim=1)
+        with PagedCache(model, pool=first.pool) as reused:
+            # 5 blocks (20 tokens): the sliding groups read tokens 9-19 from blocks 2-4, block 3 included
+            assert reused.reuse_prefix(second) == 20
+            ours = model(input_ids=second[:, 20:], position_ids=torch.arange(20, 26).unsqueeze(0), cache=reused)
+        theirs = model(input_ids=second, cache=DynamicCache(config=model.config)).logits[:, 20:]
+    torch.testing.assert_close(ours.logits, theirs, rtol=0, atol=1e-5)
+
+
 def test_a_sliding_group_out_of_blocks_changes_nothing():
     """The full group has room, a sliding group does not: the step fails whole, every group as it was."""
     from hf_paged_cache import KVPool, PoolExhaustedError

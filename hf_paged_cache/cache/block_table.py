@@ -30,7 +30,10 @@ class BlockTables:
     Tables of a sliding-window layer group keep only the blocks their next queries can see: a block lying
     wholly before a row's `keep_from` token (given to `append`) is never taken if the step writes it, and is
     given back when the step commits. Its entry stays in the table as the null block, so token `j` keeps
-    living at ``tables[b][j // block_size]``.
+    living at ``tables[b][j // block_size]``. Every slot of a held block is written (a step writes its new
+    tokens into every held block, even one it gives back at commit), so a full block is whole when it is
+    registered; a row whose block would miss earlier tokens (one given back, then taken again after a
+    `truncate`) is never registered again.
     """
 
     def __init__(self, blocks: BlockPool, root: bytes | None = None):
@@ -77,11 +80,11 @@ class BlockTables:
             table, stored = self.tables[row], self.num_tokens[row]
             end = -(-(stored + n) // size)  # ceil((stored + n) / size): the row's blocks after the step
             grow.append(end - max(len(table), first[row]) if end > len(table) else 0)
-            if n > 0 and stored % size and len(table) - 1 >= first[row]:
-                if table[-1] == NULL_BLOCK:
+            if n > 0 and stored % size:
+                if table[-1] == NULL_BLOCK and len(table) - 1 >= first[row]:
                     reopen_rows.append(row)  # a partly filled block given back earlier: start a fresh one
-                elif self._shared(table[-1]):
-                    copy_rows.append(row)
+                elif table[-1] != NULL_BLOCK and self._shared(table[-1]):
+                    copy_rows.append(row)  # written even if the window drops it at commit: it must be whole
         grow = [max(g, 0) for g in grow]
         needed = sum(grow) + len(copy_rows) + len(reopen_rows)
         new_ids = self.blocks.allocate(needed)
@@ -96,6 +99,7 @@ class BlockTables:
             self.tables[row][-1] = dst
         for row in reopen_rows:
             self.tables[row][-1] = next(fresh)
+            self.token_ids[row] = None  # its earlier tokens in that block are written nowhere: never register it
         for row, n in enumerate(new_tokens):
             table = self.tables[row]
             end = -(-(self.num_tokens[row] + n) // size)

@@ -7,7 +7,8 @@ one `StepIndex` of slot ids (`build_index`), shared by the group's layers on tha
 values alike.
 
 A sliding-window group stores only the tokens its next queries can see (`keep_from`): in a step longer
-than the window (a long prefill), the earliest new tokens get no slot. The step's own queries still see
+than the window (a long prefill), the earliest new tokens get no slot, unless their block is held already
+(a block filled in part by the step before is completed, so that it is whole if it is found by prefix). The step's own queries still see
 them: attention then takes the step's new keys and values from the layer's states (`new_from_states`)
 and only the past ones from the pool.
 """
@@ -267,11 +268,10 @@ def build_index(
         read_slots = slots_for_positions(table, is_real, block_size)  # [B, L + q]
         new_real = is_real[:, step.past_length :]  # [B, q]
         written, new_from_states = new_real, False  # [B, q] new tokens that get a slot
-        keep = step.keep_from[group]
-        if keep is not None:
-            token = is_real.cumsum(dim=1)[:, step.past_length :] - 1  # [B, q] each new token's index in its row
-            first = torch.tensor(keep, device=device).div(block_size, rounding_mode="floor") * block_size  # [B]
-            written = new_real & (token >= first.unsqueeze(1))  # tokens before the first kept block get no slot
+        if step.keep_from[group] is not None:
+            # a new token is written wherever its block is held (the null block's slots are below block_size):
+            # tokens before the first block the window keeps get no slot, except in a block held already
+            written = new_real & (read_slots[:, step.past_length :] >= block_size)
             new_from_states = bool((written != new_real).any())
         if step.writers is not None:
             written = written & step.writers.to(device).unsqueeze(1)  # a repeated row's tokens are the first's
