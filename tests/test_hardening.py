@@ -3,6 +3,7 @@
 import copy
 import gc
 import pickle
+import threading
 
 import pytest
 import torch
@@ -25,13 +26,16 @@ def attention_modules(model):
 
 
 def fail_in_layer(model, layer, after_update, error=Injected):
-    """Make layer `layer`'s attention raise, before or after it updates the cache, on the next forward."""
+    """Make layer `layer`'s attention raise, before or after it updates the cache, on the next forward.
+
+    `layer` may also be ``"head"``: the LM head raises, after every layer has written the step.
+    """
 
     def raise_now(*args):
         remove()
         raise error(f"injected in layer {layer}")
 
-    module = attention_modules(model)[layer]
+    module = model.get_output_embeddings() if layer == "head" else attention_modules(model)[layer]
     handle = module.register_forward_hook(raise_now) if after_update else module.register_forward_pre_hook(raise_now)
 
     def remove():
@@ -67,9 +71,10 @@ def test_failed_forward_at_any_layer_leaves_the_cache_and_prefix_index_as_before
     prompt["attention_mask"] = torch.ones_like(prompt["input_ids"])
     reference = greedy(model, DynamicCache(config=model.config), prompt)
     layers = len(attention_modules(model))
-    for layer in range(layers):
-        # a failure after the last layer's update comes after a complete step, which is kept (as DynamicCache)
-        for after_update in (False, True) if layer < layers - 1 else (False,):
+    # "head": after the last layer's update, every layer has written the step; the forward still fails, and
+    # the model's forward hook rolls the step back (it failed before this change)
+    for layer in [*range(layers), "head"]:
+        for after_update in (False, True):
             pool = KVPool.for_config(model.config, num_blocks=64)
             with PagedCache(model, pool=pool) as cache:
                 handle = fail_in_layer(model, layer, after_update)
@@ -107,6 +112,68 @@ def test_interrupted_decode_step_rolls_back_to_the_previous_token(error):
         with torch.no_grad():
             model(**batch, cache=dense, use_cache=True)
             expected = model(**step, cache=dense, use_cache=True)
+    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+
+
+def test_readers_on_another_thread_see_the_last_committed_step_and_change_nothing():
+    """stats(), get_seq_length(), repr(), is_real, block_tables and layers[i].keys read from another thread in
+    the middle of a forward: each sees the cache before the step and leaves the step alone (before this
+    change they rolled the step back under the forward's feet)."""
+    model = tiny_model("llama")
+    batch = ragged_batch([0, 3], 20, seed=1)
+    step = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+    seen = {}
+
+    def read(cache):
+        seen.update(length=cache.get_seq_length(), stats=cache.stats(), text=repr(cache), rows=cache.batch_size,
+                    mask=cache.is_real.clone(), tables=cache.block_tables.tables, keys=cache.layers[0].keys)
+
+    with PagedCache(model, num_blocks=32) as cache, torch.no_grad():
+        model(**batch, cache=cache, use_cache=True)
+        before = dict(length=20, stats=cache.stats(), text=repr(cache), rows=2, mask=cache.is_real.clone(),
+                      tables=cache.block_tables.tables, keys=cache.layers[0].keys)
+
+        def read_elsewhere(*args):  # after layer 1 has written the step
+            reader = threading.Thread(target=read, args=(cache,))
+            reader.start()
+            reader.join()
+
+        handle = attention_modules(model)[1].register_forward_hook(read_elsewhere)
+        paged = model(**step, cache=cache, use_cache=True)
+        handle.remove()
+        assert cache.get_seq_length() == 21
+    assert seen.pop("keys").equal(before.pop("keys")) and seen.pop("mask").equal(before.pop("mask"))
+    assert seen == before
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**batch, cache=dense, use_cache=True)
+        expected = model(**step, cache=dense, use_cache=True)
+    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+
+
+def test_manual_commit_keeps_a_forward_pending_until_commit_or_settle():
+    model = tiny_model("llama")
+    batch = ragged_batch([0, 3], 20, seed=1)
+    step = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+    with PagedCache(model, num_blocks=32, manual_commit=True) as cache, torch.no_grad():
+        model(**batch, cache=cache, use_cache=True)
+        assert (cache.get_seq_length(), cache.batch_size) == (0, 0)  # pending: readers see the cache before it
+        assert held_blocks(cache.pool) == 2 + 2  # its blocks are taken: 20 and 17 tokens
+        cache.settle()  # dropped
+        assert held_blocks(cache.pool) == 0
+        model(**batch, cache=cache, use_cache=True)
+        cache.commit()
+        assert (cache.get_seq_length(), cache.batch_size) == (20, 2)
+        model(**step, cache=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="awaits commit"):  # a second forward would bury the first
+            model(**step, cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 20  # the refused forward dropped the pending one: nothing is half-kept
+        paged = model(**step, cache=cache, use_cache=True)
+        cache.commit()
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**batch, cache=dense, use_cache=True)
+        expected = model(**step, cache=dense, use_cache=True)
     torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from ..attention.paged_sdpa import ATTENTION_NAME
 from ..pool.kv_pool import KVPool
-from .block_table import BlockTables, slots_for_positions
+from .block_table import BlockTables, RowsView, slots_for_positions
 from .inputs import PendingInputs
 from .prefix import adopt_longest_prefix
 from .step import (
@@ -40,6 +41,9 @@ class PagedBatch:
     blocks. Sliding-window groups keep only what their next queries can see, except while `record_past` is
     set (transformers sets it before forwards it may `crop`): then steps keep every block and `truncate`
     trims.
+
+    `lock` makes each change atomic for readers on other threads, which read `committed()`: the rows as the
+    last committed step left them (the step in progress keeps them in its undo record).
     """
 
     def __init__(self, pool: KVPool, root: bytes | None):
@@ -50,6 +54,7 @@ class PagedBatch:
         self.step: Step | None = None  # the step in progress, if any
         self.pending = PendingInputs()  # the next forward's padding mask, ids and positions
         self.record_past = False  # sliding groups keep out-of-window blocks until the next `truncate`
+        self.lock = threading.RLock()  # held by every change, and by readers of `committed()`
 
     @property
     def tables(self) -> BlockTables:
@@ -60,11 +65,19 @@ class PagedBatch:
     def batch_size(self) -> int:
         return self.tables.batch_size
 
-    def begin(self, past_length: int, batch_size: int, query_length: int, device: torch.device) -> Step:
+    def begin(
+        self, past_length: int, batch_size: int, query_length: int, device: torch.device, num_layers: int
+    ) -> Step:
         """Plan a forward of `batch_size` x `query_length` new tokens after `past_length` positions."""
+        with self.lock:
+            return self._begin(past_length, batch_size, query_length, device, num_layers)
+
+    def _begin(
+        self, past_length: int, batch_size: int, query_length: int, device: torch.device, num_layers: int
+    ) -> Step:
         undo = StepUndo([tables.savepoint() for tables in self.groups], self.is_real)
         rows = self.batch_size
-        new_real, new_ids, positions, attention = self.pending.take(batch_size, query_length)  # [B, q] or None
+        new_real, new_ids, positions, attention, hooked = self.pending.take(batch_size, query_length)  # [B, q]
         sources = None  # per row, the first row it repeats (a first forward's repeated prompts)
         if rows == 0 and past_length == 0:
             sources = _repeats(new_ids, new_real, positions)
@@ -94,7 +107,8 @@ class PagedBatch:
         writers = None
         if sources is not None and len(set(sources)) < batch_size:
             writers = torch.tensor([s == r for r, s in enumerate(sources)], device=device)  # [B]
-        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, writers)
+        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, num_layers, writers,
+                    thread=threading.get_ident(), commit_at_end=hooked)
         self.is_real = is_real
         # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
         step.from_pool = attention == ATTENTION_NAME and not self.pool.layout.latent
@@ -135,32 +149,46 @@ class PagedBatch:
     def commit(self) -> None:
         """Keep the step in progress (every layer has written it), register the blocks it filled, and give
         back the blocks that sliding windows no longer need."""
-        self.step = None
-        for tables in self.groups:
-            tables.commit()
+        with self.lock:
+            self.step = None
+            for tables in self.groups:
+                tables.commit()
 
     def rollback(self) -> int:
         """Undo the step in progress: its blocks, copies and rows. Returns the length to go back to."""
-        step, self.step = self.step, None
-        for tables, savepoint in zip(self.groups, step.undo.tables):
-            tables.rollback(savepoint)
-        self.is_real = step.undo.is_real
-        return step.past_length
+        with self.lock:
+            step, self.step = self.step, None
+            for tables, savepoint in zip(self.groups, step.undo.tables):
+                tables.rollback(savepoint)
+            self.is_real = step.undo.is_real
+            return step.past_length
+
+    def committed(self) -> tuple[list[RowsView], torch.Tensor]:
+        """Each group's rows and the ``[B, L]`` padding mask as the last committed step left them.
+
+        Hold `lock` while using them: a commit may change the lists and give their blocks back.
+        """
+        if self.step is None:
+            return [tables.view() for tables in self.groups], self.is_real
+        size = self.pool.block_size
+        return [savepoint.view(size) for savepoint in self.step.undo.tables], self.step.undo.is_real
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Keep rows `indices` (repeats allowed, any order), sharing their blocks."""
         rows = torch.as_tensor(indices, dtype=torch.long).cpu()
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.batch_size):
             raise IndexError(f"row indices {rows.tolist()} out of range for {self.batch_size} rows")
-        for tables in self.groups:
-            tables.select(rows.tolist())
-        self.is_real = self.is_real[rows.to(self.is_real.device)]
+        with self.lock:
+            for tables in self.groups:
+                tables.select(rows.tolist())
+            self.is_real = self.is_real[rows.to(self.is_real.device)]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` logical positions of every row; then sliding groups keep only what their
         next queries can see (also while `record_past` is set, as `DynamicSlidingWindowLayer.crop` does).
 
         Raises `ValueError`, changing nothing, if a sliding group would need positions it has given back.
+        Call under `lock`.
         """
         removed = self.is_real[:, length:].sum(dim=1).tolist()  # real tokens per row
         is_real = self.is_real[:, :length]  # [B, length]
@@ -183,20 +211,24 @@ class PagedBatch:
 
     def reset(self) -> None:
         """Give every block back, an unfinished step's included, and forget every row."""
-        self.step = None
-        for tables in self.groups:
-            tables.release()
-        self.is_real = torch.zeros(0, 0, dtype=torch.bool)
-        self.pending.clear()
+        with self.lock:
+            self.step = None
+            for tables in self.groups:
+                tables.release()
+            self.is_real = torch.zeros(0, 0, dtype=torch.bool)
+            self.pending.clear()
 
     def adopt_prefix(self, rows: list[list[int]], device: torch.device) -> int:
-        """Start these unpadded rows from their longest prefix cached in every group; returns its length."""
+        """Start these unpadded rows from their longest prefix cached in every group; returns its length.
+
+        Call under `lock`.
+        """
         length = adopt_longest_prefix(self.groups, self.windows, rows)
         self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=device)
         return length
 
     def copy_to(self, other: PagedBatch) -> None:
-        """Give `other` (empty, on the same pool) the same rows, sharing every block."""
+        """Give `other` (empty, on the same pool) the same rows, sharing every block. Call under `lock`."""
         for mine, theirs in zip(self.groups, other.groups):
             mine.copy_to(theirs)
         other.is_real = self.is_real.clone()
@@ -206,7 +238,7 @@ class PagedBatch:
 
         Rows stay right-aligned: the side with fewer positions gets left padding, which takes no blocks and
         keeps each row's real tokens contiguous at its end (so sliding windows see the same tokens). Returns
-        the new number of positions.
+        the new number of positions. Call under `lock`.
         """
         length = max(self.is_real.shape[1], other.is_real.shape[1])
         device = self.is_real.device if self.batch_size else other.is_real.device
@@ -217,19 +249,24 @@ class PagedBatch:
         return length
 
     def drop_leading_padding(self) -> int:
-        """Forget the first positions that are padding in every row; returns how many were dropped."""
+        """Forget the first positions that are padding in every row; returns how many were dropped.
+
+        Call under `lock`.
+        """
         real_columns = self.is_real.any(dim=0).nonzero()
         drop = int(real_columns[0]) if len(real_columns) else self.is_real.shape[1]
         self.is_real = self.is_real[:, drop:]
         return drop
 
     def dense(self, layer_idx: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s keys and values from position `offset` on: dense ``[B, H, L - offset, D]`` copies."""
+        """Layer `layer_idx`'s keys and values from position `offset` on, as last committed: dense
+        ``[B, H, L - offset, D]`` copies. Call under `lock`."""
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         if keys is None:
             raise ValueError(f"layer {layer_idx} has stored nothing yet")
-        table = self.groups[self.pool.group_of[layer_idx]].as_tensor(keys.device)  # [B, max_blocks]
-        slots = slots_for_positions(table, self.is_real.to(keys.device), self.pool.block_size)  # [B, L]
+        views, is_real = self.committed()
+        table = views[self.pool.group_of[layer_idx]].as_tensor(keys.device)  # [B, max_blocks]
+        slots = slots_for_positions(table, is_real.to(keys.device), self.pool.block_size)  # [B, L]
         rows = head_major_rows(slots[:, offset:], keys.shape[1])  # [B, H, L - offset]
         with self.pool.storage_lock.shared():
             return gather(keys, rows), gather(values, rows)

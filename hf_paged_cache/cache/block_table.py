@@ -249,9 +249,41 @@ class BlockTables:
         self.copied_from, self.drop_before = [], None
         self.tables, self.num_tokens, self.token_ids, self.hashes = [], [], [], []
 
+    def view(self) -> RowsView:
+        """These rows as they are now (the lists themselves, not copies)."""
+        return RowsView(self.tables, self.num_tokens, self.blocks.block_size)
+
     def unique_blocks(self) -> dict[int, int]:
         """Each block held, mapped to the tokens it holds (shared blocks counted once)."""
-        size = self.blocks.block_size
+        return self.view().unique_blocks()
+
+    def as_tensor(self, device: torch.device) -> torch.Tensor:
+        """``[B, max_blocks]`` int64 block ids, short rows padded with the null block."""
+        return self.view().as_tensor(device)
+
+
+@dataclass(frozen=True)
+class RowsView:
+    """A read-only look at one layer group's rows: each row's block list and how many tokens it stores.
+
+    What readers of a cache get (`PagedCache.block_tables`, `stats`): either the live lists, under the
+    cache's lock, or copies (`copy`).
+    """
+
+    tables: list[list[int]]
+    num_tokens: list[int]
+    block_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables)
+
+    def copy(self) -> RowsView:
+        return RowsView([list(t) for t in self.tables], list(self.num_tokens), self.block_size)
+
+    def unique_blocks(self) -> dict[int, int]:
+        """Each block held, mapped to the tokens it holds (shared blocks counted once)."""
+        size = self.block_size
         filled: dict[int, int] = {}
         for table, stored in zip(self.tables, self.num_tokens):
             for i, block in enumerate(table):
@@ -295,3 +327,7 @@ class TablesSavepoint:
     token_ids: list[list[int] | None]  # the row lists themselves: a step only appends to them
     token_counts: list[int]  # their lengths then
     hashes: list[list[bytes]]  # the row lists themselves: only `commit` appends to them
+
+    def view(self, block_size: int) -> RowsView:
+        """The rows as they were at the savepoint."""
+        return RowsView(self.tables, self.num_tokens, block_size)

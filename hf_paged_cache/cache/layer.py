@@ -90,16 +90,22 @@ class PagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         return self._cache.update(key_states, value_states, self.layer_idx)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the K/V `update` returns next: the whole past, or the last window."""
-        offset = self.window_offset()
-        return self.length - offset + query_length, offset
+    def get_mask_sizes(self, query_length: int, length: int | None = None) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the K/V `update` returns next: the whole past, or the last window.
 
-    def window_offset(self) -> int:
-        """First position this layer attends to (0 for full attention), as `DynamicSlidingWindowLayer`."""
+        `length` is the positions stored before the next forward (default: what this layer has seen).
+        """
+        length = self.length if length is None else length
+        offset = self.window_offset(length)
+        return length - offset + query_length, offset
+
+    def window_offset(self, length: int | None = None) -> int:
+        """First position this layer attends to (0 for full attention), as `DynamicSlidingWindowLayer`, after
+        `length` positions (default: what this layer has seen)."""
         if self.sliding_window is None:
             return 0
-        return max(self.length - self.sliding_window + 1, 0)
+        length = self.length if length is None else length
+        return max(length - self.sliding_window + 1, 0)
 
     def get_seq_length(self) -> int:
         return self.length

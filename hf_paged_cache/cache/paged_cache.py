@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -12,7 +13,7 @@ from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs
 from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, attention_windows
 from .batch import PagedBatch
-from .block_table import BlockTables
+from .block_table import BlockTables, RowsView
 from .inputs import install_input_hook, prefix_root
 from .layer import PagedLayer
 from .stats import CacheStats
@@ -36,10 +37,17 @@ class PagedCache(Cache):
         num_blocks: size of a new pool in blocks (block 0 is reserved).
         max_memory: size of a new pool as a byte budget: an int or a string like ``"512MiB"``.
         pool: an existing `KVPool` to share with other caches.
+        manual_commit: keep a forward's step pending once it has run, until `commit()` keeps it or `settle()`
+            drops it (a continuous batcher commits a step only once every request in it has its token).
 
-    A forward is all or nothing: if it fails at any layer (an exception, ``KeyboardInterrupt``,
-    `PoolExhaustedError`), the next forward or the next call that reads the cache first rolls the unfinished
-    step back, blocks and prefix registrations included, so the cache is exactly as it was before.
+    A forward is all or nothing: it is kept once the whole forward has run (the model's LM head included,
+    for a cache built from the model), and if it fails anywhere (an exception, `PoolExhaustedError`), its
+    step is rolled back at once, blocks and prefix registrations included, so the cache and the pool are
+    exactly as they were before. (After a ``KeyboardInterrupt``, which no hook sees, the next forward or the
+    next read on the same thread rolls it back.)
+
+    Reads (`get_seq_length`, `stats`, `is_real`, `block_tables`, ``repr``, ``layers[i].keys``) are safe from
+    any thread at any time: they see the cache as its last committed step left it and change nothing.
 
     Use ``with PagedCache(model) as cache:`` or call `release()` to give the blocks back; a cache that is
     dropped gives them back at once.
@@ -53,6 +61,7 @@ class PagedCache(Cache):
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         pool: KVPool | None = None,
+        manual_commit: bool = False,
     ):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
         config = model.config if model is not None else config_or_model
@@ -63,6 +72,7 @@ class PagedCache(Cache):
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory)
         self._source = config_or_model  # what fork() builds its twin from
+        self.manual_commit = manual_commit
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
@@ -95,10 +105,10 @@ class PagedCache(Cache):
         layer.is_initialized = True
         step = self.batch.step
         if step is not None and layer.length == step.length:
-            self.settle()  # this layer already did the step in progress: a new forward began after a failure
+            self._drop_unfinished()  # this layer already did the step in progress: a new forward began
             step = None
         if step is None:
-            step = self.batch.begin(layer.length, batch_size, query_length, key_states.device)
+            step = self.batch.begin(layer.length, batch_size, query_length, key_states.device, len(self.layers))
         elif layer.length != step.past_length:
             raise RuntimeError(
                 f"layer {layer_idx} has seen {layer.length} positions but the forward in progress runs from "
@@ -136,19 +146,69 @@ class PagedCache(Cache):
                     result = torch.cat([result[0], key_states], dim=2), torch.cat([result[1], value_states], dim=2)
         layer.length = step.length
         step.layers_done += 1
-        if step.layers_done == len(self.layers):
-            self.batch.commit()
+        if step.complete and not (step.commit_at_end or self.manual_commit):
+            self.batch.commit()  # no forward hook will report the end: keep the step now
         return result
 
-    def settle(self) -> None:
-        """Roll back a step that a failed forward left unfinished; nothing otherwise.
+    def forward_ended(self, failed: bool) -> None:
+        """Called by the model's forward hook when a forward on this cache ends.
 
-        The cache does this itself before it is read or changed; call it to give the step's blocks back at once.
+        Keeps the step it made (unless `manual_commit`: then it waits for `commit()`), or rolls it back when
+        the forward raised anywhere, its LM head included.
         """
-        if self.batch.step is not None:
-            length = self.batch.rollback()
-            for layer in self.layers:
-                layer.length = length
+        step = self.batch.step
+        if step is None:
+            self.batch.pending.clear()  # the forward raised before its first layer
+        elif failed or not step.complete:
+            self.settle()
+        elif step.commit_at_end and not self.manual_commit:
+            self.batch.commit()
+
+    def commit(self) -> None:
+        """Keep the step of the last forward (with `manual_commit`; other caches commit by themselves).
+
+        Nothing to do when no step is pending. Raises `RuntimeError` if the last forward did not finish.
+        """
+        step = self.batch.step
+        if step is None:
+            return
+        if not step.complete:
+            raise RuntimeError("the last forward on this cache did not finish: settle() it instead of commit()")
+        self.batch.commit()
+
+    def settle(self) -> None:
+        """Roll back the step not committed, if any: one that a failed forward left unfinished or, with
+        `manual_commit`, a complete one awaiting `commit()`. Nothing otherwise.
+
+        Failed forwards are rolled back by themselves; call this to drop a pending step (`manual_commit`).
+        """
+        with self.batch.lock:
+            if self.batch.step is not None:
+                length = self.batch.rollback()
+                for layer in self.layers:
+                    layer.length = length
+
+    def _drop_unfinished(self) -> None:
+        """Before a change: roll back a step left over by a failed forward; refuse to drop a pending one."""
+        step = self.batch.step
+        if step is not None and step.complete and self.manual_commit:
+            raise RuntimeError(
+                "this cache's last forward awaits commit() or settle() (manual_commit=True): call one of them "
+                "before changing the cache or running the next forward"
+            )
+        self.settle()
+
+    def _settle_failed_here(self) -> None:
+        """Before a read: on the thread whose forward failed without its hook seeing it (``KeyboardInterrupt``,
+        or a model without the hook), roll that step back. Reads on other threads change nothing."""
+        step = self.batch.step
+        if step is not None and step.thread == threading.get_ident() and not (self.manual_commit and step.complete):
+            self.settle()
+
+    def _committed_length(self) -> int:
+        """Positions the last committed step left (call under `batch.lock`)."""
+        step = self.batch.step
+        return step.past_length if step is not None else self.layers[0].length
 
     def observe_inputs(
         self,
@@ -157,6 +217,7 @@ class PagedCache(Cache):
         query_length: int,
         position_ids: torch.Tensor | None = None,
         attention: str | None = None,
+        hooked: bool = False,
     ) -> None:
         """Tell the cache the next forward's token ids and which of its `query_length` tokens are padding.
 
@@ -166,24 +227,27 @@ class PagedCache(Cache):
         memory, never results). Token ids (with `position_ids` when the forward gets them) let full blocks
         be found again by prefix (`reuse_prefix`). When `attention` is ``"paged_sdpa"``, attention reads the
         keys and values straight from the pool (no dense copy). A step left unfinished by a failed forward
-        is rolled back.
+        is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
-        self.settle()
-        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention)
+        self._drop_unfinished()
+        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 
     # ------------------------------------------------------------------ the Cache contract
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self.settle()
+        """Positions the cache holds (padding included), as its last committed step left them."""
         if layer_idx >= len(self.layers):
             return 0
-        return self.layers[layer_idx].length
+        self._settle_failed_here()
+        with self.batch.lock:
+            return self._committed_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        self.settle()
         if layer_idx >= len(self.layers):
             return query_length, 0
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        self._settle_failed_here()
+        with self.batch.lock:
+            return self.layers[layer_idx].get_mask_sizes(query_length, self._committed_length())
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -199,11 +263,13 @@ class PagedCache(Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
-        length = self.get_seq_length()  # settles an unfinished step first
-        remove = min(-tokens_to_remove, length)
-        self.batch.truncate(length - remove)
-        for layer in self.layers:
-            layer.length = min(layer.length, length - remove)
+        self._drop_unfinished()
+        with self.batch.lock:
+            length = self._committed_length()
+            remove = min(-tokens_to_remove, length)
+            self.batch.truncate(length - remove)
+            for layer in self.layers:
+                layer.length = min(layer.length, length - remove)
 
     def activate_past_recording(self) -> None:
         """Keep the blocks sliding windows no longer need until the next `crop` (which can then go back).
@@ -228,7 +294,7 @@ class PagedCache(Cache):
         self._select_rows(indices)
 
     def _select_rows(self, indices: torch.Tensor | list[int]) -> None:
-        self.settle()
+        self._drop_unfinished()
         self.batch.select(indices)
 
     def add_rows_from(self, other: PagedCache) -> None:
@@ -241,29 +307,32 @@ class PagedCache(Cache):
         """
         if other.pool is not self.pool or other.batch.tables.root != self.batch.tables.root:
             raise ValueError("add_rows_from() needs a cache on the same pool, built from the same model")
-        self.settle()
-        other.settle()
+        self._drop_unfinished()
+        other._drop_unfinished()
         if not other.batch_size:
             return
-        length = self.batch.absorb(other.batch)
-        initialized = any(layer.is_initialized for layer in (*self.layers, *other.layers))
-        other.reset()
-        for layer in self.layers:
-            layer.length, layer.is_initialized = length, initialized
+        with self.batch.lock:
+            length = self.batch.absorb(other.batch)
+            initialized = any(layer.is_initialized for layer in (*self.layers, *other.layers))
+            other.reset()
+            for layer in self.layers:
+                layer.length, layer.is_initialized = length, initialized
 
     def drop_leading_padding(self) -> int:
         """Forget the first positions that are padding in every row (after rows left); returns how many."""
-        self.settle()
-        drop = self.batch.drop_leading_padding()
-        for layer in self.layers:
-            layer.length -= drop
+        self._drop_unfinished()
+        with self.batch.lock:
+            drop = self.batch.drop_leading_padding()
+            for layer in self.layers:
+                layer.length -= drop
         return drop
 
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
-        self.batch.reset()  # an unfinished step's blocks are released with the rest
-        for layer in self.layers:
-            layer.reset()
+        with self.batch.lock:
+            self.batch.reset()  # an unfinished step's blocks are released with the rest
+            for layer in self.layers:
+                layer.reset()
 
     def release(self) -> None:
         """Give every block back (`reset()`); what leaving ``with PagedCache(...) as cache:`` does."""
@@ -275,11 +344,12 @@ class PagedCache(Cache):
         Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
-        self.settle()
-        twin = PagedCache(self._source, pool=self.pool)
-        self.batch.copy_to(twin.batch)
-        for mine, theirs in zip(twin.layers, self.layers):
-            mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
+        self._drop_unfinished()
+        twin = PagedCache(self._source, pool=self.pool, manual_commit=self.manual_commit)
+        with self.batch.lock:
+            self.batch.copy_to(twin.batch)
+            for mine, theirs in zip(twin.layers, self.layers):
+                mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
         return twin
 
     def __deepcopy__(self, memo: dict) -> PagedCache:
@@ -315,13 +385,15 @@ class PagedCache(Cache):
                 "reuse_prefix() needs a cache built from the model (PagedCache(model)): cached blocks are keyed by "
                 "the model that computed them, which a config-built cache does not know"
             )
+        self._drop_unfinished()
         if self.batch_size or self.get_seq_length():
             raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
-        length = self.batch.adopt_prefix(input_ids.tolist(), input_ids.device)
-        for layer in self.layers:
-            layer.length = length
+        with self.batch.lock:
+            length = self.batch.adopt_prefix(input_ids.tolist(), input_ids.device)
+            for layer in self.layers:
+                layer.length = length
         return length
 
     def __enter__(self) -> PagedCache:
@@ -334,35 +406,47 @@ class PagedCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return self.batch.batch_size
+        """Rows (sequences) the cache holds, as its last committed step left them."""
+        with self.batch.lock:
+            return self.batch.committed()[0][0].batch_size
 
     @property
-    def block_tables(self) -> BlockTables:
-        """Each row's blocks in the pool (read them; change them only through the cache)."""
-        return self.batch.tables
+    def block_tables(self) -> RowsView:
+        """A snapshot of each row's blocks (first layer group) and stored tokens, as last committed."""
+        self._settle_failed_here()
+        with self.batch.lock:
+            return self.batch.committed()[0][0].copy()
 
     @property
     def is_real(self) -> torch.Tensor:
-        """``[B, L]`` bool: False where a logical position is padding (stored nowhere)."""
-        return self.batch.is_real
+        """``[B, L]`` bool: False where a logical position is padding (stored nowhere), as last committed."""
+        with self.batch.lock:
+            return self.batch.committed()[1]
 
     def stats(self) -> CacheStats:
-        """Blocks, tokens and bytes this cache holds right now, in total and per layer group."""
-        self.settle()
-        return CacheStats.of(self.batch.groups, self.pool)
+        """Blocks, tokens and bytes this cache holds, in total and per layer group, as last committed."""
+        self._settle_failed_here()
+        with self.batch.lock:
+            return CacheStats.of(self.batch.committed()[0], self.pool)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
 
         A sliding layer gives its last ``sliding_window - 1`` positions; padding positions read zeros.
         """
-        self.settle()
-        return self.batch.dense(layer_idx, self.layers[layer_idx].window_offset())
+        self._settle_failed_here()
+        with self.batch.lock:  # held while gathering: a commit may free blocks the last committed step holds
+            offset = self.layers[layer_idx].window_offset(self._committed_length())
+            return self.batch.dense(layer_idx, offset)
 
     def __repr__(self) -> str:
-        blocks = [len(tables.unique_blocks()) for tables in self.batch.groups]
+        self._settle_failed_here()
+        with self.batch.lock:
+            views = self.batch.committed()[0]
+            blocks = [len(view.unique_blocks()) for view in views]
+            length = self._committed_length()
         return (
-            f"PagedCache(rows={self.batch_size}, length={self.get_seq_length()}, "
+            f"PagedCache(rows={views[0].batch_size}, length={length}, "
             f"blocks={blocks[0] if len(blocks) == 1 else blocks}, pool={self.pool!r})"
         )
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..pool.block_pool import NULL_BLOCK
 from ..pool.kv_pool import KVPool
-from .block_table import BlockTables
+from .block_table import RowsView
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class CacheStats:
     groups: tuple[GroupStats, ...] = ()
 
     @classmethod
-    def of(cls, groups: Sequence[BlockTables], pool: KVPool) -> CacheStats:
-        """What the rows of `groups` (one `BlockTables` per layer group of `pool`) hold right now."""
+    def of(cls, groups: Sequence[RowsView], pool: KVPool) -> CacheStats:
+        """What the rows of `groups` (one view per layer group of `pool`) hold."""
         per_group = []
         for g, (tables, layer_group) in enumerate(zip(groups, pool.layer_groups)):
             filled = tables.unique_blocks()
@@ -59,7 +59,7 @@ class CacheStats:
                     bytes_per_block=per_block,
                     bytes_reserved=len(filled) * per_block,
                     bytes_used=sum(filled.values()) * per_block // pool.block_size,
-                    pool_blocks=tables.blocks.num_blocks,
+                    pool_blocks=pool.groups[g].num_blocks,
                 )
             )
         reserved = sum(g.bytes_reserved for g in per_group)

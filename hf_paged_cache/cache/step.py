@@ -149,8 +149,9 @@ def head_major_rows(slots: torch.Tensor, num_heads: int) -> torch.Tensor:
 class Step:
     """The plan of the forward in progress, made once by its first layer and used by all of them.
 
-    A step is all or nothing: it is committed when the last layer has written its keys and values, and
-    until then `undo` holds what a rollback restores.
+    A step is all or nothing: it is committed when the forward that made it has ended well (or, without the
+    model's forward hook, when the last layer has written its keys and values; or by `PagedCache.commit` for
+    a cache with ``manual_commit``), and until then `undo` holds what a rollback restores.
     """
 
     batch_size: int
@@ -159,14 +160,22 @@ class Step:
     all_real: bool  # no padding among the new tokens
     undo: StepUndo
     keep_from: list[list[int] | None]  # per group, each row's first token kept (sliding windows); None = all
+    num_layers: int  # layers that write the step: it is complete when all of them have
     writers: torch.Tensor | None = None  # [B] rows that write their tokens (a repeated row shares the first's)
     from_pool: bool = False  # attention (paged_sdpa) reads K/V straight from the pool: no dense gather
+    thread: int = 0  # threading.get_ident() of the thread running the forward
+    commit_at_end: bool = False  # the model's forward hook keeps (or drops) it when the forward ends
     layers_done: int = 0
     index: dict[tuple[int, torch.device], StepIndex] = field(default_factory=dict)  # per (group, device)
 
     @property
     def length(self) -> int:
         return self.past_length + self.query_length
+
+    @property
+    def complete(self) -> bool:
+        """Every layer has written its keys and values."""
+        return self.layers_done == self.num_layers
 
 
 @dataclass
