@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import threading
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -107,6 +108,9 @@ class BlockPool:
     counters together, so concurrent caches on one pool never receive the same block, never double-free one
     and never see a half-updated index. Each public method takes it once; none calls user code while
     holding it (`on_grow` runs between two holds, and the growth is decided again after it).
+
+    Listeners (`add_free_listener`) are called, outside the lock, whenever blocks go back to the free list:
+    a batcher waiting for room sleeps until then instead of polling.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class BlockPool:
         self._cached: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its key, its tokens)
         self._hits = self._misses = self._evictions = 0
         self._grows = 0
+        self._listeners: list[weakref.WeakMethod | Callable[[], None]] = []  # called when blocks are freed
 
     @property
     def num_blocks(self) -> int:
@@ -255,12 +260,37 @@ class BlockPool:
         Callers pass a sequence's blocks in reverse order, so its tail blocks join the free list first and
         are reused first, while its prefix blocks stay untouched longest.
         """
+        freed = False
         with self._lock:
             for block_id in block_ids:
                 self._check_held(block_id)
                 self._refcounts[block_id] -= 1
                 if self._refcounts[block_id] == 0:
                     self._free[block_id] = None
+                    freed = True
+            listeners = list(self._listeners) if freed else []
+        for listener in listeners:
+            callback = listener() if isinstance(listener, weakref.WeakMethod) else listener
+            if callback is not None:
+                callback()
+
+    def add_free_listener(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback()` whenever blocks go back to the free list; returns a function that removes it.
+
+        A bound method is held weakly (it goes away with its object), anything else strongly. It runs on the
+        freeing thread, outside the pool's lock: keep it short (waking a thread, say).
+        """
+        entry = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else callback
+
+        def remove() -> None:
+            with self._lock:
+                if entry in self._listeners:
+                    self._listeners.remove(entry)
+
+        with self._lock:
+            self._listeners = [e for e in self._listeners if not (isinstance(e, weakref.WeakMethod) and e() is None)]
+            self._listeners.append(entry)
+        return remove
 
     def refcount(self, block_id: int) -> int:
         """Holders of `block_id` (0 when free); `IndexError` outside ``0 .. num_blocks - 1``."""
