@@ -2,14 +2,15 @@
 
 from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
 from .cache import CacheStats, GroupStats, PagedCache
-from .errors import KVMemoryError, PoolExhaustedError
+from .errors import KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
-from .serving import ContinuousBatcher, RequestHandle, generate_many
+from .serving import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 
 register_paged_attention()
 
 __all__ = [
     "ATTENTION_NAME",
+    "BatcherStats",
     "BlockPool",
     "CacheStats",
     "ContinuousBatcher",
@@ -21,6 +22,8 @@ __all__ = [
     "LayerShape",
     "PagedCache",
     "PoolExhaustedError",
+    "QueueFullError",
+    "RequestCancelled",
     "RequestHandle",
     "bytes_per_block",
     "generate_many",

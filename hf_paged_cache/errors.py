@@ -47,3 +47,26 @@ class KVMemoryError(MemoryError):
         super().__init__(message)
         self.requested_bytes = requested_bytes
         self.device = device
+
+
+class QueueFullError(RuntimeError):
+    """`ContinuousBatcher.submit` refused a request: `max_waiting` requests already wait to start.
+
+    Nothing was queued; try again later (a server answers 429 or 503).
+
+    Attributes:
+        max_waiting: the bound that was reached.
+    """
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        super().__init__(
+            f"the batcher's queue is full: {max_waiting} requests already wait to start (max_waiting={max_waiting})"
+        )
+
+
+class RequestCancelled(RuntimeError):
+    """A batcher request ended by `RequestHandle.cancel()` before it finished.
+
+    Raised by `result()` and, after the tokens generated before the cancellation, by iterating the handle.
+    """

@@ -1,6 +1,7 @@
-"""Serving many requests on one pool: the continuous batcher, its requests and handles, admission, packed steps."""
+"""Serving many requests on one pool: the continuous batcher (scheduler, step executor, inbox), its requests and
+handles, submit-time checks, admission and packed steps."""
 
-from .batcher import ContinuousBatcher, generate_many
+from .batcher import BatcherStats, ContinuousBatcher, GroupUsage, generate_many
 from .request import RequestHandle
 
-__all__ = ["ContinuousBatcher", "RequestHandle", "generate_many"]
+__all__ = ["BatcherStats", "ContinuousBatcher", "GroupUsage", "RequestHandle", "generate_many"]

@@ -108,7 +108,8 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_a
         segments: the caches and their new tokens, each cache in at most one segment (``start`` is set here).
         logits_at: indices in the packed sequence (`Segment.start` onwards) whose logits to compute.
 
-    All or nothing: if the forward fails, every segment's cache is rolled back before the error is raised.
+    All or nothing: if the forward fails anywhere (the LM head included), every segment's cache is rolled back
+    before the error is raised; else each keeps its step (or leaves it pending, for a ``manual_commit`` cache).
     """
     if len({id(segment.cache) for segment in segments}) < len(segments):
         raise ValueError("packed_forward() takes each cache in one segment at most")
@@ -117,9 +118,9 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_a
         placed.append(replace(segment, start=start))
         start = placed[-1].end
     attention = model.config.get_text_config(decoder=True)._attn_implementation  # as the input hook reads it
-    for segment in placed:
+    for segment in placed:  # each cache hears how the forward ended from here (the model's hook sees PackedCaches)
         segment.cache.observe_inputs(
-            segment.input_ids, segment.attention_mask, segment.length, segment.position_ids, attention
+            segment.input_ids, segment.attention_mask, segment.length, segment.position_ids, attention, hooked=True
         )
     device = model.device
     input_ids = torch.cat([s.input_ids.reshape(-1).to(device) for s in placed]).unsqueeze(0)  # [1, T]
@@ -127,8 +128,11 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_a
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, cache=PackedCaches(placed), use_cache=True,
                     logits_to_keep=torch.tensor(list(logits_at), device=device))
+        logits = out.logits[0]
     except BaseException:
         for segment in placed:
-            segment.cache.settle()
+            segment.cache.forward_ended(failed=True)
         raise
-    return out.logits[0]
+    for segment in placed:
+        segment.cache.forward_ended(failed=False)
+    return logits

@@ -4,79 +4,128 @@ Token choice and stopping come from transformers, built from a `GenerationConfig
 builds them (its logits processors and stopping criteria), so a request means what the same arguments mean
 to ``model.generate``. Sampling draws from the request's own `torch.Generator` (seeded by ``seed=``), so a
 sampled request gives the same tokens whatever else runs beside it.
+
+Picking a token (`Request.pick`) changes nothing but the generator, and puts that back when it raises: the
+token joins the request (`Request.accept`) only once the step that computed it is kept for every request.
 """
 
 from __future__ import annotations
 
-import copy
-import queue
+import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import (
-    LogitsProcessorList,
-    PreTrainedModel,
-    StoppingCriteriaList,
-)
+from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
-_DONE = object()  # ends a handle's token stream
-_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1}  # arguments the batcher keeps at these values
+from ..errors import RequestCancelled
+from .validation import REQUEST_ARGUMENTS, check_request, generation_config_for
 
 
 class RequestHandle:
-    """What `ContinuousBatcher.submit` returns: iterate it for new tokens as they come, or call `result()`."""
+    """What `ContinuousBatcher.submit` returns: iterate it for new tokens as they come, or call `result()`.
 
-    def __init__(self, request_id: int):
+    Any number of threads may iterate one handle: each iteration streams every token from the first. All
+    methods are safe from any thread.
+    """
+
+    def __init__(self, request_id: int, on_cancel: Callable[[], None] = lambda: None):
         self.request_id = request_id
-        self._tokens: queue.Queue[object] = queue.Queue()
-        self._done = threading.Event()
+        self._changed = threading.Condition()  # guards the fields below; notified on each token and at the end
         self._output: list[int] = []
+        self._finished = False
         self._error: BaseException | None = None
+        self._cancel_requested = False
+        self._on_cancel = on_cancel  # wakes the batcher's loop
         self.first_token_time: float | None = None  # time.perf_counter() when its first token came
         self.finish_time: float | None = None  # time.perf_counter() when it finished
 
     def __iter__(self) -> Iterator[int]:
-        """Each new token id as soon as it is generated; raises the request's error, if it failed."""
+        """Each new token id as soon as it is generated; then raises the request's error, if it failed
+        (`RequestCancelled` once it was cancelled, after the tokens generated before)."""
+        seen = 0
         while True:
-            item = self._tokens.get()
-            if item is _DONE:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._output) > seen or self._finished)
+                new, finished, error = self._output[seen:], self._finished, self._error
+            yield from new
+            seen += len(new)
+            if finished and not new:
                 break
-            yield item  # type: ignore[misc]
-        if self._error is not None:
-            raise self._error
+        if error is not None:
+            raise error
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """Block until the request is done; its generated token ids (the prompt not included)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} not done after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return list(self._output)
+        """Block until the request is done; its generated token ids (the prompt not included).
+
+        Raises the request's error if it failed (`RequestCancelled` if it was cancelled), `TimeoutError`
+        if it is not done after `timeout` seconds.
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._finished, timeout):
+                raise TimeoutError(f"request {self.request_id} not done after {timeout} s")
+            if self._error is not None:
+                raise self._error
+            return list(self._output)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        with self._changed:
+            return self._finished
 
-    # ------------------------------------------------------------------ called by the batcher
+    def cancel(self) -> None:
+        """Ask the batcher to drop this request at its next step boundary; its blocks then go back.
+
+        The handle then ends with `RequestCancelled` (iterating it first yields the tokens it had). Safe from
+        any thread, at any moment, any number of times; a no-op once the request is done.
+        """
+        with self._changed:
+            if self._finished or self._cancel_requested:
+                return
+            self._cancel_requested = True
+        self._on_cancel()
+
+    @property
+    def cancel_requested(self) -> bool:
+        with self._changed:
+            return self._cancel_requested and not self._finished
+
+    # ------------------------------------------------------------------ called by the batcher's loop
 
     def _emit(self, token: int) -> None:
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
-        self._output.append(token)
-        self._tokens.put(token)
+        with self._changed:
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+            self._output.append(token)
+            self._changed.notify_all()
 
     def _finish(self, error: BaseException | None = None) -> None:
-        if not self._done.is_set():
+        with self._changed:
+            if self._finished:
+                return
+            if error is None and self._cancel_requested:
+                error = RequestCancelled(f"request {self.request_id} was cancelled")
             self.finish_time = time.perf_counter()
-            self._error = error
-            self._done.set()
-            self._tokens.put(_DONE)
+            self._error, self._finished = error, True
+            self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The token a request picked from one step's logits, and whether it stops there."""
+
+    token: int
+    finished: bool
 
 
 class Request:
-    """A prompt, its generation settings (transformers' processors and criteria) and what it generated so far."""
+    """A prompt, its generation settings (transformers' processors and criteria) and what it generated so far.
+
+    Built on the submitting thread: every argument is checked here (`serving.validation`), so a request that
+    is queued can only fail later on what no check can see.
+    """
 
     def __init__(
         self,
@@ -84,36 +133,39 @@ class Request:
         prompt: Sequence[int],
         model: PreTrainedModel,
         generation_kwargs: dict[str, Any],
+        *,
         tokenizer: Any = None,
+        context: int | None = None,
+        on_cancel: Callable[[], None] = lambda: None,
     ):
         kwargs = dict(generation_kwargs)
-        seed = kwargs.pop("seed", None)
-        config = copy.deepcopy(model.generation_config)
-        unused = config.update(**kwargs)
-        if unused:
-            raise TypeError(f"unknown generation argument(s) {sorted(unused)} (GenerationConfig has no such field)")
-        for name, allowed in _UNSUPPORTED.items():
-            if getattr(config, name, allowed) not in (None, allowed):
-                raise ValueError(f"the continuous batcher does not do {name}={getattr(config, name)}; use generate()")
+        extras = {name: kwargs.pop(name) for name in REQUEST_ARGUMENTS if name in kwargs}
+        if "generation_config" in extras:
+            kwargs["generation_config"] = extras.pop("generation_config")
+        config = generation_config_for(model, kwargs)
         if config.max_new_tokens is not None:
             config.max_length = len(prompt) + config.max_new_tokens  # what generate does with max_new_tokens
+        check_request(prompt, config, model, context)
         model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
         self.id = request_id
         self.prompt = list(prompt)
         self.config = config
         self.processors: LogitsProcessorList = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=len(prompt), device=model.device
+            generation_config=config, input_ids_seq_length=len(prompt), device=model.device,
+            prefix_allowed_tokens_fn=extras.get("prefix_allowed_tokens_fn"),
+            logits_processor=extras.get("logits_processor") or LogitsProcessorList(),
         )
         self.criteria: StoppingCriteriaList = model._get_stopping_criteria(
-            generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=tokenizer
+            generation_config=config, stopping_criteria=extras.get("stopping_criteria") or StoppingCriteriaList(),
+            tokenizer=tokenizer,
         )
         self.generator = torch.Generator(device=model.device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        if extras.get("seed") is not None:
+            self.generator.manual_seed(extras["seed"])
         else:
             self.generator.seed()  # a fresh random seed, leaving torch's global generator alone
         self.generated: list[int] = []
-        self.handle = RequestHandle(request_id)
+        self.handle = RequestHandle(request_id, on_cancel)
 
     @property
     def max_length(self) -> int:
@@ -125,17 +177,35 @@ class Request:
         """Prompt and generated tokens: what its cache must hold to compute the next token."""
         return self.prompt + self.generated
 
-    def choose(self, logits: torch.Tensor) -> tuple[int, bool]:
-        """Pick the next token from the last position's `logits` ``[V]``; returns ``(token, finished)``."""
-        ids = torch.tensor([self.tokens], device=logits.device)  # [1, n]
-        scores = self.processors(ids, logits.unsqueeze(0).float())  # [1, V]
-        if self.config.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        else:
-            token = int(scores.argmax(dim=-1))
-        self.generated.append(token)
-        self.handle._emit(token)
-        full = torch.tensor([self.tokens], device=logits.device)
-        finished = bool(self.criteria(full, scores).any())
-        return token, finished
+    def pick(self, logits: torch.Tensor) -> Choice:
+        """Pick the next token from the last position's `logits` ``[V]``, and whether the request stops there.
+
+        Changes nothing but the request's generator (sampling), which it puts back when it raises: a retry
+        draws the same token. Raises `ValueError` when the processed scores have no finite maximum (NaN, or
+        every token banned), where ``generate`` would silently pick an arbitrary token.
+        """
+        state = self.generator.get_state() if self.config.do_sample else None
+        try:
+            tokens = self.tokens
+            ids = torch.tensor([tokens], device=logits.device)  # [1, n]
+            scores = self.processors(ids, logits.unsqueeze(0).float())  # [1, V]
+            if not math.isfinite(float(scores.max())):
+                raise ValueError(
+                    f"request {self.id}: its logits processors left no finite score (NaN or every token banned); "
+                    f"check temperature={self.config.temperature}, bad_words_ids and suppress_tokens"
+                )
+            if self.config.do_sample:
+                token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+            else:
+                token = int(scores.argmax(dim=-1))
+            full = torch.tensor([[*tokens, token]], device=logits.device)  # [1, n + 1]
+            return Choice(token, bool(self.criteria(full, scores).any()))
+        except BaseException:
+            if state is not None:
+                self.generator.set_state(state)
+            raise
+
+    def accept(self, choice: Choice) -> None:
+        """Add a picked token to the request and stream it to its handle (once its step is kept)."""
+        self.generated.append(choice.token)
+        self.handle._emit(choice.token)

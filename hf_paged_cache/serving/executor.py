@@ -1,0 +1,207 @@
+"""`StepExecutor`: runs one planned step of the batcher on the model, all or nothing, failures isolated.
+
+Every cache of the batcher keeps its forwards pending (``manual_commit``) until each request of the forward
+has picked its next token; only then is the step committed. A forward that raises anywhere (any layer,
+after the last layer, in the LM head) leaves every cache, block table, reference count and prefix entry of
+the pool as it was, and no request's tokens have changed. The step is then computed again so that the cause
+is isolated:
+
+1. a packed step (`serving.packed`) that fails runs again unpacked: the decode rows in one forward, then each
+   prompt chunk in a forward of its own;
+2. each of those forwards is tried twice, so that a fault that does not come back costs nobody anything;
+3. a prompt chunk that fails twice fails its request alone, with the real exception;
+4. decode rows that fail twice are tried one by one, each on a throwaway fork of the running cache: the rows
+   that fail alone fail on their handles, and the others run at the next step without them. When no row
+   fails alone, the rows run once more together, and if that fails too, the fault is no single request's:
+   every row of the step fails with it (never with a wrong token).
+
+Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
+fails alone and the others keep their tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from transformers import PreTrainedModel
+
+from ..attention import ATTENTION_NAME
+from ..cache.paged_cache import PagedCache
+from ..errors import PoolExhaustedError
+from .packed import PackingUnsupported, Segment, packed_forward
+from .request import Request
+from .steps import Chunk, StepPlan, StepResult
+
+T = TypeVar("T")
+ATTEMPTS = 2  # tries of each forward and token choice before a failure is taken to be the request's own
+
+
+class StepExecutor:
+    """Runs `StepPlan`s on `model`, packed into one forward when it can (`pack_steps`), and reports a
+    `StepResult`: what each request of the plan kept, or why it failed."""
+
+    def __init__(self, model: PreTrainedModel, pack_steps: bool = True):
+        self.model = model
+        self.pack_steps = pack_steps and model.config._attn_implementation == ATTENTION_NAME
+        self.packed_steps = 0  # steps run as one packed forward so far
+
+    def run(self, plan: StepPlan) -> StepResult:
+        if self.pack_steps and plan.chunks and (plan.running or len(plan.chunks) > 1):
+            result = StepResult()
+            try:
+                self._run_packed(plan, result)
+                return result
+            except PackingUnsupported:
+                self.pack_steps = False
+            except Exception:  # noqa: BLE001 (every cache is as it was: each part runs again on its own)
+                pass
+        result = StepResult()
+        if plan.running:  # decode rows first: a long prefill never takes the blocks their next tokens need
+            self._run_decode(plan, result)
+        for chunk in plan.chunks:
+            if not self._run_chunk(chunk, result):
+                break  # out of blocks: the later chunks wait for the next step, as they are
+        return result
+
+    # ------------------------------------------------------------------ packed
+
+    def _run_packed(self, plan: StepPlan, result: StepResult) -> None:
+        segments, logits_at = [], []
+        if plan.running:
+            segments.append(Segment(plan.running_cache, *self._decode_inputs(plan.running_cache, plan.running)))
+            logits_at += range(len(plan.running))
+        end = len(plan.running)
+        for chunk in plan.chunks:
+            positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens)).unsqueeze(0)  # [1, c]
+            segments.append(Segment(chunk.cache, torch.tensor([chunk.tokens]), positions))
+            end += len(chunk.tokens)
+            if chunk.finishes:
+                logits_at.append(end - 1)
+        logits = packed_forward(self.model, segments, logits_at)  # [picks, vocab]; every cache pending
+        try:
+            picks = [*plan.running, *(chunk.request for chunk in plan.chunks if chunk.finishes)]
+            for request, row_logits in zip(picks, logits, strict=True):
+                self._choose(request, row_logits, result)
+            result.kept.update(chunk.request for chunk in plan.chunks if not chunk.finishes)
+        except BaseException:
+            for segment in segments:
+                segment.cache.settle()
+            raise
+        for segment in segments:
+            segment.cache.commit()
+        self.packed_steps += 1
+
+    # ------------------------------------------------------------------ unpacked
+
+    def _run_chunk(self, chunk: Chunk, result: StepResult) -> bool:
+        """One prompt chunk in a forward of its own; False when the pool had no blocks for it."""
+        try:
+            logits = _attempts(lambda: self._chunk_forward(chunk))
+        except PoolExhaustedError as error:
+            result.exhausted[chunk.request] = error
+            return False
+        except Exception as error:  # noqa: BLE001 (failed twice alone: the request's own failure)
+            result.failures[chunk.request] = error
+            return True
+        if chunk.finishes:
+            self._choose(chunk.request, logits, result)
+        else:
+            result.kept.add(chunk.request)
+        chunk.cache.commit()
+        return True
+
+    def _run_decode(self, plan: StepPlan, result: StepResult) -> None:
+        """Every running request's next token in one forward; failures isolated as the module docstring says."""
+        cache, requests = plan.running_cache, plan.running
+        try:
+            logits = self._decode_isolating(cache, requests, result)
+        except PoolExhaustedError as error:
+            result.decode_exhausted = error
+            return
+        except Exception as error:  # noqa: BLE001 (no single request's: the whole step fails with it)
+            result.failures.update((request, error) for request in requests)
+            return
+        if logits is None:
+            return  # some rows fail alone: the others did not run, and run at the next step without them
+        for request, row_logits in zip(requests, logits, strict=True):
+            self._choose(request, row_logits, result)
+        cache.commit()
+
+    def _decode_isolating(self, cache: PagedCache, requests: list[Request], result: StepResult) -> torch.Tensor | None:
+        """The decode forward's logits ``[B, V]``, tried twice; then None with the rows that fail alone in
+        `result`, or, when none does, the logits of one last try together (whose failure propagates)."""
+        try:
+            return _attempts(lambda: self._decode_forward(cache, requests))
+        except PoolExhaustedError:
+            raise
+        except Exception:  # noqa: BLE001 (failed twice: find the rows that fail alone)
+            culprits = self._rows_failing_alone(cache, requests)
+        if culprits:
+            result.failures.update(culprits)
+            return None
+        return self._decode_forward(cache, requests)
+
+    def _rows_failing_alone(self, cache: PagedCache, requests: list[Request]) -> dict[Request, BaseException]:
+        """Each request whose decode row fails when run alone, on a fork of `cache` dropped afterwards."""
+        culprits: dict[Request, BaseException] = {}
+        for row, request in enumerate(requests):
+            probe = cache.fork()  # shares every block; its writes copy the block they go to first
+            try:
+                probe.batch_select_indices(torch.tensor([row]))
+                self._decode_forward(probe, [request])
+            except PoolExhaustedError:
+                pass  # no room to try it alone: no evidence against it
+            except Exception as error:  # noqa: BLE001 (what it fails with alone)
+                culprits[request] = error
+            finally:
+                probe.release()
+        return culprits
+
+    # ------------------------------------------------------------------ forwards and picks
+
+    def _chunk_forward(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's forward on its request's cache (left pending); the last position's logits ``[V]``."""
+        device = self.model.device
+        out = self.model(
+            input_ids=torch.tensor([chunk.tokens], device=device),
+            position_ids=torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device).unsqueeze(0),
+            cache=chunk.cache, use_cache=True, logits_to_keep=1,
+        )
+        return out.logits[0, -1]
+
+    def _decode_forward(self, cache: PagedCache, requests: list[Request]) -> torch.Tensor:
+        """One new token for each row of `cache` (left pending); their logits ``[B, V]``."""
+        input_ids, positions, mask = self._decode_inputs(cache, requests)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _decode_inputs(self, cache: PagedCache, requests: list[Request]) -> tuple[torch.Tensor, ...]:
+        """Decode inputs of `cache`'s rows: input ids ``[B, 1]``, positions ``[B, 1]``, mask ``[B, L + 1]``."""
+        device = self.model.device
+        input_ids = torch.tensor([[r.generated[-1]] for r in requests], device=device)  # [B, 1]
+        positions = torch.tensor([[len(r.tokens) - 1] for r in requests], device=device)  # [B, 1]
+        real = cache.is_real.to(device)
+        mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + 1]
+        return input_ids, positions, mask
+
+    def _choose(self, request: Request, logits: torch.Tensor, result: StepResult) -> None:
+        """`request`'s next token from `logits` ``[V]`` into `result`, or its failure (after `ATTEMPTS` tries)."""
+        try:
+            result.choices[request] = _attempts(lambda: request.pick(logits))
+        except Exception as error:  # noqa: BLE001 (its own settings or processors: it fails alone)
+            result.failures[request] = error
+
+
+def _attempts(run: Callable[[], T]) -> T:
+    """`run()`, tried up to `ATTEMPTS` times; the last failure propagates. `PoolExhaustedError` is not retried
+    (the pool is as full the second time)."""
+    for _ in range(ATTEMPTS - 1):
+        try:
+            return run()
+        except PoolExhaustedError:
+            raise
+        except Exception:  # noqa: BLE001 (tried again)
+            pass
+    return run()

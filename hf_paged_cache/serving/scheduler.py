@@ -1,0 +1,305 @@
+"""`Scheduler`: what each step of a `ContinuousBatcher` runs, and what becomes of each request after it.
+
+Requests wait in `waiting` (oldest first), then prefill (`prefilling`: each in its own cache, its prompt in
+chunks), then decode (`running`: one row each of the running cache, in order). Each step:
+
+1. **admit** waiting requests, oldest first, while the pool can hold every request in flight at every step
+   until each reaches its longest (prompt and ``max_new_tokens``; `serving.admission`), or, with
+   ``reserve_new_tokens=False``, while its prompt fits with one block of headroom per request in flight,
+   and fewer than `max_running` are in flight; an admitted request starts from the longest prefix the pool
+   has cached;
+2. **plan** a decode row for every running request and the prompt chunks of the prefilling ones, oldest
+   first, `max_step_tokens` prompt tokens in all (`plan`), which the executor runs;
+3. **apply** what the step kept (`apply`): each picked token joins its request; a request whose prompt is
+   done joins the running batch by block table (no key or value is copied); a finished request leaves at
+   once and its blocks go back (full ones stay findable by prefix); a failed one fails alone.
+
+When the pool runs out for the decode rows (without reservation, or when another cache on the pool takes
+blocks), the newest prefilling request gives its blocks back, or, when none is prefilling, the newest
+running request is preempted: its blocks are freed and it waits at the front of the queue, to be computed
+again (prompt and tokens so far) when blocks free up, so its output is what it would have been. Decode rows
+run before prompt chunks, and a prompt chunk that finds no blocks sends its request back to the front of
+the queue the same way: a prompt never starves a running request. A request that cannot fit the pool even
+alone fails on its own handle with `PoolExhaustedError`.
+
+Only the loop's thread calls the scheduler. Other threads read `counts`, replaced whole after each step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from ..cache.paged_cache import PagedCache
+from ..errors import PoolExhaustedError, RequestCancelled
+from .admission import Lifetime, peak_blocks
+from .inbox import Inbox
+from .request import Request
+from .steps import Chunk, StepPlan, StepResult
+
+
+@dataclass
+class Prefill:
+    """A request whose prompt is being computed into its own cache, `done` tokens so far."""
+
+    request: Request
+    cache: PagedCache
+    done: int
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The scheduler's state at the last step boundary (what `ContinuousBatcher.stats` reports)."""
+
+    waiting: int = 0  # taken from the inbox, not started (preempted ones included)
+    prefilling: int = 0
+    running: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    preemptions: int = 0  # running requests preempted (to be computed again)
+    prefill_retries: int = 0  # prefilling requests sent back to the queue for want of blocks
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the pool's prefix cache at admission
+
+
+class Scheduler:
+    """Decides what runs next on one pool; see the module docstring for the policy."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        running_cache: PagedCache,
+        inbox: Inbox,
+        *,
+        max_running: int,
+        max_step_tokens: int,
+        reserve_new_tokens: bool,
+    ):
+        self.model = model
+        self.running_cache = running_cache  # one row per running request (manual_commit: the executor commits)
+        self.pool = running_cache.pool
+        self.inbox = inbox
+        self.max_running = max_running
+        self.max_step_tokens = max_step_tokens
+        self.reserve_new_tokens = reserve_new_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Prefill] = []
+        self.running: list[Request] = []
+        self._requeued: set[Request] = set()  # waiting requests that started before (not counted by the inbox)
+        self._tally = dict(finished=0, failed=0, cancelled=0, preemptions=0, prefill_retries=0, prefix_hit_tokens=0)
+        self.counts = Counts()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    # ------------------------------------------------------------------ each step
+
+    def take_new(self) -> None:
+        """Queue what was submitted since the last step, and let cancelled requests leave."""
+        self.waiting.extend(self.inbox.take())
+        for request in [r for r in self.waiting if r.handle.cancel_requested]:
+            self.waiting.remove(request)
+            self._left_queue(request)
+            self._cancel(request)
+        for prefill in [p for p in self.prefilling if p.request.handle.cancel_requested]:
+            self.prefilling.remove(prefill)
+            prefill.cache.release()  # its full blocks stay findable by prefix
+            self._cancel(prefill.request)
+        rows = [row for row, request in enumerate(self.running) if request.handle.cancel_requested]
+        for row in rows:
+            self._cancel(self.running[row])
+        self._drop_rows(rows)
+        self._publish()
+
+    def plan(self) -> StepPlan | None:
+        """Admit what fits, then this step's decode rows and prompt chunks; None when nothing can run."""
+        self._admit()
+        self._publish()
+        if not (self.prefilling or self.running):
+            return None
+        budget, chunks = self.max_step_tokens, []
+        for prefill in self.prefilling:
+            if budget <= 0:
+                break
+            tokens = prefill.request.tokens[prefill.done : prefill.done + budget]
+            chunks.append(Chunk(prefill.request, prefill.cache, prefill.done, tokens))
+            budget -= len(tokens)
+        return StepPlan(list(self.running), self.running_cache, chunks)
+
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
+        """Let each request of `plan` take what the step kept for it (see `StepResult`)."""
+        leaving = []
+        for row, request in enumerate(plan.running):
+            if request in result.failures:
+                self._finish(request, result.failures[request])
+                leaving.append(row)
+            elif request in result.choices:
+                request.accept(result.choices[request])
+                if result.choices[request].finished:
+                    self._finish(request)
+                    leaving.append(row)
+        self._drop_rows(leaving)
+        for chunk in reversed(plan.chunks):  # reversed: requests sent back queue up in their order
+            self._apply_chunk(chunk, result)
+        if result.decode_exhausted is not None:
+            self._make_room(result.decode_exhausted)
+        self._publish()
+
+    def _apply_chunk(self, chunk: Chunk, result: StepResult) -> None:
+        request = chunk.request
+        prefill = next(p for p in self.prefilling if p.request is request)
+        if request in result.kept:
+            prefill.done += len(chunk.tokens)
+            return
+        if not (request in result.failures or request in result.exhausted or request in result.choices):
+            return  # did not run this step
+        self.prefilling.remove(prefill)
+        alone = not (self.prefilling or self.running)
+        if request in result.failures or (request in result.exhausted and alone):
+            prefill.cache.release()
+            self._finish(request, result.failures.get(request) or result.exhausted[request])  # alone: never fits
+        elif request in result.exhausted:
+            prefill.cache.release()  # its full blocks stay findable by prefix: they are reused when it starts again
+            self._requeue(request, "prefill_retries")
+        else:
+            request.accept(result.choices[request])
+            if result.choices[request].finished:
+                prefill.cache.release()
+                self._finish(request)
+            else:
+                self.running_cache.add_rows_from(prefill.cache)  # its blocks change hands, no copy
+                self.running.append(request)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self) -> None:
+        """Start waiting requests, oldest first, while the pool can hold their tokens."""
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
+            request = self.waiting[0]
+            needed = self._blocks_needed(len(request.tokens) + 1)
+            too_big = [
+                (n, blocks, group) for n, blocks, group in zip(needed, self.pool.groups, self.pool.layer_groups)
+                if blocks.max_blocks is not None and n > blocks.capacity
+            ]
+            if too_big:  # more than the whole (fixed) pool: it could never run
+                n, blocks, group = too_big[0]
+                self.waiting.popleft()
+                self._left_queue(request)
+                name = group.name if len(self.pool.groups) > 1 else None
+                self._finish(request, PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
+                continue
+            if not self._admissible(request, needed):
+                return
+            self.waiting.popleft()
+            self._left_queue(request)
+            cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
+            done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
+            self._tally["prefix_hit_tokens"] += done
+            self.prefilling.append(Prefill(request, cache, done))
+
+    def _admissible(self, request: Request, needed: list[int]) -> bool:
+        """Whether `request` may start now, beside the requests in flight, in every layer group.
+
+        With `reserve_new_tokens`: while the pool can hold every request in flight at every step until each
+        reaches ``max_length`` (`peak_blocks`), so that none is preempted later. Otherwise while `needed` (its
+        prompt and next token) fits with one block of headroom per request in flight.
+        """
+        if not self.reserve_new_tokens:
+            in_flight = len(self.prefilling) + len(self.running) + 1
+            return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
+        lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in self.running]
+        queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
+        for other, done in [*((p.request, p.done) for p in self.prefilling), (request, 0)]:
+            queued += len(other.tokens) - done
+            ready = -(-queued // self.max_step_tokens) + 1  # it decodes from the step after its prompt is done
+            lifetimes.append(Lifetime.prefilling(len(other.tokens), other.max_length, ready))
+        caches = [self.running_cache, *(p.cache for p in self.prefilling)]
+        for group, (blocks, layers) in enumerate(zip(self.pool.groups, self.pool.layer_groups)):
+            if blocks.max_blocks is None:
+                continue  # elastic: it grows
+            in_flight = set().union(*(cache.batch.groups[group].unique_blocks() for cache in caches))
+            held_elsewhere = blocks.num_used - len(in_flight)  # by other caches sharing the pool
+            cap = min(layers.max_blocks_per_row(max(life.top for life in lifetimes), blocks.block_size), blocks.capacity)
+            if peak_blocks(lifetimes, blocks.block_size, cap) > blocks.capacity - held_elsewhere:
+                return False
+        return True
+
+    def _blocks_needed(self, num_tokens: int) -> list[int]:
+        return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
+
+    # ------------------------------------------------------------------ leaving
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        """Drop running rows `rows` from the running batch (their blocks go back unless shared)."""
+        if not rows:
+            return
+        keep = [row for row in range(len(self.running)) if row not in set(rows)]
+        self.running = [self.running[row] for row in keep]
+        self.running_cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
+        self.running_cache.drop_leading_padding()
+
+    def _make_room(self, error: PoolExhaustedError) -> None:
+        """The decode rows found no blocks: free the newest prefilling request's blocks (a prompt never starves a
+        running row), else the newest running request's, and queue it first, to be computed again later. A
+        request running alone can never fit: it fails with `error`. When the step itself gave back enough
+        blocks (a request finished), nothing is preempted: the rows run at the next step."""
+        if all(blocks.can_allocate(len(self.running)) for blocks in self.pool.groups):
+            return  # one block per row is the most a decode step takes (a new block, or a copy of a shared one)
+        if self.prefilling:
+            prefill = self.prefilling.pop()
+            prefill.cache.release()  # its full blocks stay findable by prefix
+            self._requeue(prefill.request, "prefill_retries")
+            return
+        if len(self.running) == 1:
+            self._finish(self.running[0], error)
+        else:
+            self._requeue(self.running[-1], "preemptions")
+        self._drop_rows([len(self.running) - 1])
+
+    def _requeue(self, request: Request, counter: str) -> None:
+        """Queue a started request first again (its blocks are freed by the caller)."""
+        self.waiting.appendleft(request)
+        self._requeued.add(request)
+        self._tally[counter] += 1
+
+    def _left_queue(self, request: Request) -> None:
+        """`request` leaves the waiting queue (started, or gone): the inbox counts the ones it queued."""
+        if request in self._requeued:
+            self._requeued.discard(request)
+        else:
+            self.inbox.started()
+
+    def _cancel(self, request: Request) -> None:
+        self._tally["cancelled"] += 1
+        request.handle._finish(RequestCancelled(f"request {request.id} was cancelled"))
+
+    def _finish(self, request: Request, error: BaseException | None = None) -> None:
+        self._tally["failed" if error is not None else "finished"] += 1
+        request.handle._finish(error)
+
+    def _publish(self) -> None:
+        self.counts = Counts(len(self.waiting), len(self.prefilling), len(self.running), **self._tally)
+
+    def fail_in_flight(self, error: BaseException) -> None:
+        """A step failed outside any one request: fail every request in flight with `error`, free their blocks."""
+        for prefill in self.prefilling:
+            prefill.cache.release()
+            self._finish(prefill.request, error)
+        for request in self.running:
+            self._finish(request, error)
+        self.prefilling, self.running = [], []
+        self.running_cache.reset()
+        self._publish()
+
+    def shutdown(self, error: BaseException) -> None:
+        """Fail every request left, queued ones included, with `error`, and give every block back."""
+        self.waiting.extend(self.inbox.take())
+        for request in self.waiting:
+            self._left_queue(request)
+            self._finish(request, error)
+        self.waiting.clear()
+        self.fail_in_flight(error)

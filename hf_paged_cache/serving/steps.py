@@ -1,0 +1,45 @@
+"""What passes between the batcher's scheduler and its executor: the plan of one step, and what came of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cache.paged_cache import PagedCache
+from ..errors import PoolExhaustedError
+from .request import Choice, Request
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`tokens` of a request's prompt (prompt and tokens so far, after a preemption) from index `start`."""
+
+    request: Request
+    cache: PagedCache  # the request's own cache, holding its first `start` tokens
+    start: int
+    tokens: list[int]
+
+    @property
+    def finishes(self) -> bool:
+        """Whether this chunk completes the prompt (the step then picks the request's next token)."""
+        return self.start + len(self.tokens) == len(self.request.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: a decode row for every running request, and the prompt chunks the token budget allows."""
+
+    running: list[Request]  # in the order of the running cache's rows
+    running_cache: PagedCache
+    chunks: list[Chunk]
+
+
+@dataclass
+class StepResult:
+    """What a step kept, request by request. A request of the plan in none of these did not run this step and
+    is exactly as it was (its cache too)."""
+
+    choices: dict[Request, Choice] = field(default_factory=dict)  # the token each picked, kept
+    kept: set[Request] = field(default_factory=set)  # prompt chunks computed and kept (the prompt goes on)
+    failures: dict[Request, BaseException] = field(default_factory=dict)  # requests that fail, each alone
+    exhausted: dict[Request, PoolExhaustedError] = field(default_factory=dict)  # chunks that found no blocks
+    decode_exhausted: PoolExhaustedError | None = None  # the decode rows found no blocks (none ran)
