@@ -27,8 +27,9 @@ def requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
 def alone(model, prompt: list[int], **kwargs) -> list[int]:
     """What generate() with a DynamicCache gives for this request alone."""
     ids = torch.tensor([prompt])
+    kwargs.setdefault("do_sample", False)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                         do_sample=False, **kwargs)
+                         **kwargs)
     return out[0, len(prompt):].tolist()
 
 

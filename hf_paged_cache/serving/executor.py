@@ -150,7 +150,7 @@ class StepExecutor:
             probe = cache.fork()  # shares every block; its writes copy the block they go to first
             try:
                 probe.batch_select_indices(torch.tensor([row]))
-                self._decode_forward(probe, [request])
+                _attempts(lambda: self._forward_and_drop(probe, request))  # a transient fault convicts nobody
             except PoolExhaustedError:
                 pass  # no room to try it alone: no evidence against it
             except Exception as error:  # noqa: BLE001 (what it fails with alone)
@@ -160,6 +160,13 @@ class StepExecutor:
         return culprits
 
     # ------------------------------------------------------------------ forwards and picks
+
+    def _forward_and_drop(self, probe: PagedCache, request: Request) -> None:
+        """`request`'s decode row alone on `probe` (a one-row fork), its step dropped whatever happens."""
+        try:
+            self._decode_forward(probe, [request])
+        finally:
+            probe.settle()
 
     def _chunk_forward(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's forward on its request's cache (left pending); the last position's logits ``[V]``."""
