@@ -90,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._requeued: set[Request] = set()  # waiting requests that started before (not counted by the inbox)
         self._tally = dict(finished=0, failed=0, cancelled=0, preemptions=0, prefill_retries=0, prefix_hit_tokens=0)
+        self._ended: list[tuple[Request, BaseException | None]] = []  # handles to end once `counts` shows them
         self.counts = Counts()
 
     @property
@@ -275,14 +276,19 @@ class Scheduler:
 
     def _cancel(self, request: Request) -> None:
         self._tally["cancelled"] += 1
-        request.handle._finish(RequestCancelled(f"request {request.id} was cancelled"))
+        self._ended.append((request, RequestCancelled(f"request {request.id} was cancelled")))
 
     def _finish(self, request: Request, error: BaseException | None = None) -> None:
         self._tally["failed" if error is not None else "finished"] += 1
-        request.handle._finish(error)
+        self._ended.append((request, error))
 
     def _publish(self) -> None:
+        """Show the state in `counts`, then end the handles of the requests that left (so that a caller woken by
+        its handle reads counts that include it)."""
         self.counts = Counts(len(self.waiting), len(self.prefilling), len(self.running), **self._tally)
+        ended, self._ended = self._ended, []
+        for request, error in ended:
+            request.handle._finish(error)
 
     def fail_in_flight(self, error: BaseException) -> None:
         """A step failed outside any one request: fail every request in flight with `error`, free their blocks."""
