@@ -83,7 +83,8 @@ def test_a_small_pool_keeps_outputs_identical(reserve):
     work = requests(10, seed=1)
     expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
     with ContinuousBatcher(model, block_size=4, num_blocks=30, max_running=10, reserve_new_tokens=reserve) as batcher:
-        handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
+        with batcher._inbox._changed:  # all arrive at once: the loop sees them together
+            handles = [batcher.submit(prompt, max_new_tokens=new) for prompt, new in work]
         assert [h.result(timeout=120) for h in handles] == expected
         stats = batcher.stats()
         assert (stats.preemptions + stats.prefill_retries == 0) == reserve

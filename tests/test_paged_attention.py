@@ -5,7 +5,7 @@ import torch
 from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
-import hf_paged_cache.cache.paged_cache as cache_module
+import hf_paged_cache.cache.layer_io as layer_io
 import hf_paged_cache.cache.step as step_module
 from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.attention import block_attention
@@ -13,13 +13,13 @@ from hf_paged_cache.attention import block_attention
 
 def count_dense_gathers(monkeypatch):
     calls = []
-    original = cache_module.gather
+    original = layer_io.gather
 
     def counting(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(cache_module, "gather", counting)
+    monkeypatch.setattr(layer_io, "gather", counting)
     return calls
 
 

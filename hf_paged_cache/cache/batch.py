@@ -11,13 +11,13 @@ from ..attention.paged_sdpa import ATTENTION_NAME
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, RowsView, slots_for_positions
 from .inputs import PendingInputs
+from .layer_io import gather
 from .prefix import adopt_longest_prefix
 from .step import (
     Step,
     StepIndex,
     StepUndo,
     build_index,
-    gather,
     head_major_rows,
     keep_from,
     plan_group,

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 
-from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs
 from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, attention_windows
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
 from .inputs import install_input_hook, prefix_root
 from .layer import PagedLayer
+from .layer_io import store_layer
+from .sharing import BlockSharing
 from .stats import CacheStats
-from .step import gather, write_new_tokens
+from .tracker import StepTracker
 
 
-class PagedCache(Cache):
+class PagedCache(BlockSharing, Cache):
     """A KV cache stored in fixed-size blocks of a shared pool, usable wherever transformers takes a `Cache`.
 
     Each row of the batch owns a block table; blocks are allocated as tokens arrive and shared (by reference
@@ -72,10 +72,10 @@ class PagedCache(Cache):
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory)
         self._source = config_or_model  # what fork() builds its twin from
-        self.manual_commit = manual_commit
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
+        self.steps = StepTracker(self.batch, self.layers, manual_commit)
         # A cache dropped without `release()` gives its blocks back at once (it is in no reference cycle).
         self._finalizer = weakref.finalize(self, _release_all, self.batch.groups)
         if model is not None:
@@ -100,81 +100,32 @@ class PagedCache(Cache):
         if key_states.ndim != 4:
             raise ValueError(f"expected key states shaped [batch, heads, seq, dim], got {tuple(key_states.shape)}")
         layer = self.layers[layer_idx]
-        batch_size, _, query_length, _ = key_states.shape
         keys, values = self.pool.layer(layer_idx, key_states, value_states)
         layer.is_initialized = True
-        step = self.batch.step
-        if step is not None and layer.length == step.length:
-            self._drop_unfinished()  # this layer already did the step in progress: a new forward began
-            step = None
-        if step is None:
-            step = self.batch.begin(layer.length, batch_size, query_length, key_states.device, len(self.layers))
-        elif layer.length != step.past_length:
-            raise RuntimeError(
-                f"layer {layer_idx} has seen {layer.length} positions but the forward in progress runs from "
-                f"{step.past_length}: every layer of the model must update the cache once per forward"
-            )
-        if (batch_size, query_length) != (step.batch_size, step.query_length):
-            raise ValueError(
-                f"layer {layer_idx} got {batch_size} rows x {query_length} tokens but this forward began with "
-                f"{step.batch_size} x {step.query_length}"
-            )
+        step = self.steps.enter(layer, key_states.shape[0], key_states.shape[2], key_states.device)
         needs_grad = _needs_grad(key_states, value_states, step.past_length)
         attention_kwargs = kwargs.get("kwargs")  # the dict transformers also hands the attention function
         from_pool = step.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
         index = self.batch.index(self.pool.group_of[layer_idx], key_states.device)
-        offset = layer.window_offset()  # before this step's tokens count, as `get_mask_sizes` saw it
-        with self.pool.storage_lock.shared():  # another thread's step may grow the pool's tensors in place
-            write_new_tokens(keys, key_states, index)
-            write_new_tokens(values, value_states, index)
-            if needs_grad:
-                result = key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
-            elif from_pool:
-                # paged_sdpa reads each row's real keys from the pool; what update returns goes unused
-                attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
-                    keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1]), keys.shape[1],
-                    index.row_keys(offset, keys.shape[1]), index.queries(),
-                    layer.sliding_window, self.pool.storage_lock,
-                    (key_states, value_states) if index.new_from_states else None,
-                    index.decode_keys(offset, keys.shape[1], layer.sliding_window),
-                )
-                result = key_states, value_states
-            else:
-                rows = index.read_rows(offset, keys.shape[1])  # [B, H, kv], keys and values alike
-                result = gather(keys, rows), gather(values, rows)  # copies: safe once the lock is let go
-                if index.new_from_states:  # a sliding window stores only the step's last tokens: new K/V as given
-                    result = torch.cat([result[0], key_states], dim=2), torch.cat([result[1], value_states], dim=2)
-        layer.length = step.length
-        step.layers_done += 1
-        if step.complete and not (step.commit_at_end or self.manual_commit):
-            self.batch.commit()  # no forward hook will report the end: keep the step now
+        result = store_layer(
+            keys, values, key_states, value_states, index,
+            layer.window_offset(),  # before this step's tokens count, as `get_mask_sizes` saw it
+            layer.sliding_window, self.pool.storage_lock, attention_kwargs if from_pool else None, needs_grad,
+        )
+        self.steps.leave(layer, step)
         return result
 
     def forward_ended(self, failed: bool) -> None:
-        """Called by the model's forward hook when a forward on this cache ends.
-
-        Keeps the step it made (unless `manual_commit`: then it waits for `commit()`), or rolls it back when
-        the forward raised anywhere, its LM head included.
-        """
-        step = self.batch.step
-        if step is None:
-            self.batch.pending.clear()  # the forward raised before its first layer
-        elif failed or not step.complete:
-            self.settle()
-        elif step.commit_at_end and not self.manual_commit:
-            self.batch.commit()
+        """Called by the model's forward hook when a forward on this cache ends: keeps the step it made (with
+        `manual_commit`, it waits for `commit()`), or rolls it back when the forward raised anywhere."""
+        self.steps.forward_ended(failed)
 
     def commit(self) -> None:
         """Keep the step of the last forward (with `manual_commit`; other caches commit by themselves).
 
         Nothing to do when no step is pending. Raises `RuntimeError` if the last forward did not finish.
         """
-        step = self.batch.step
-        if step is None:
-            return
-        if not step.complete:
-            raise RuntimeError("the last forward on this cache did not finish: settle() it instead of commit()")
-        self.batch.commit()
+        self.steps.commit()
 
     def settle(self) -> None:
         """Roll back the step not committed, if any: one that a failed forward left unfinished or, with
@@ -182,33 +133,7 @@ class PagedCache(Cache):
 
         Failed forwards are rolled back by themselves; call this to drop a pending step (`manual_commit`).
         """
-        with self.batch.lock:
-            if self.batch.step is not None:
-                length = self.batch.rollback()
-                for layer in self.layers:
-                    layer.length = length
-
-    def _drop_unfinished(self) -> None:
-        """Before a change: roll back a step left over by a failed forward; refuse to drop a pending one."""
-        step = self.batch.step
-        if step is not None and step.complete and self.manual_commit:
-            raise RuntimeError(
-                "this cache's last forward awaits commit() or settle() (manual_commit=True): call one of them "
-                "before changing the cache or running the next forward"
-            )
-        self.settle()
-
-    def _settle_failed_here(self) -> None:
-        """Before a read: on the thread whose forward failed without its hook seeing it (``KeyboardInterrupt``,
-        or a model without the hook), roll that step back. Reads on other threads change nothing."""
-        step = self.batch.step
-        if step is not None and step.thread == threading.get_ident() and not (self.manual_commit and step.complete):
-            self.settle()
-
-    def _committed_length(self) -> int:
-        """Positions the last committed step left (call under `batch.lock`)."""
-        step = self.batch.step
-        return step.past_length if step is not None else self.layers[0].length
+        self.steps.settle()
 
     def observe_inputs(
         self,
@@ -229,7 +154,7 @@ class PagedCache(Cache):
         keys and values straight from the pool (no dense copy). A step left unfinished by a failed forward
         is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
-        self._drop_unfinished()
+        self.steps.drop_unfinished()
         self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 
     # ------------------------------------------------------------------ the Cache contract
@@ -238,16 +163,16 @@ class PagedCache(Cache):
         """Positions the cache holds (padding included), as its last committed step left them."""
         if layer_idx >= len(self.layers):
             return 0
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:
-            return self._committed_length()
+            return self.steps.committed_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if layer_idx >= len(self.layers):
             return query_length, 0
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:
-            return self.layers[layer_idx].get_mask_sizes(query_length, self._committed_length())
+            return self.layers[layer_idx].get_mask_sizes(query_length, self.steps.committed_length())
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -263,9 +188,9 @@ class PagedCache(Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
-        self._drop_unfinished()
+        self.steps.drop_unfinished()
         with self.batch.lock:
-            length = self._committed_length()
+            length = self.steps.committed_length()
             remove = min(-tokens_to_remove, length)
             self.batch.truncate(length - remove)
             for layer in self.layers:
@@ -294,38 +219,8 @@ class PagedCache(Cache):
         self._select_rows(indices)
 
     def _select_rows(self, indices: torch.Tensor | list[int]) -> None:
-        self._drop_unfinished()
+        self.steps.drop_unfinished()
         self.batch.select(indices)
-
-    def add_rows_from(self, other: PagedCache) -> None:
-        """Move `other`'s sequences (a cache on the same pool) into this one, after its own rows; `other` is left empty.
-
-        No key or value is copied: the rows' blocks change hands. The shorter side is left-padded (padding
-        takes no blocks), so feed the next forward an ``attention_mask`` of ``[cache.is_real, new tokens]``
-        and each row's own ``position_ids``. A continuous batcher adds each newly prefilled request to the
-        running batch this way.
-        """
-        if other.pool is not self.pool or other.batch.tables.root != self.batch.tables.root:
-            raise ValueError("add_rows_from() needs a cache on the same pool, built from the same model")
-        self._drop_unfinished()
-        other._drop_unfinished()
-        if not other.batch_size:
-            return
-        with self.batch.lock:
-            length = self.batch.absorb(other.batch)
-            initialized = any(layer.is_initialized for layer in (*self.layers, *other.layers))
-            other.reset()
-            for layer in self.layers:
-                layer.length, layer.is_initialized = length, initialized
-
-    def drop_leading_padding(self) -> int:
-        """Forget the first positions that are padding in every row (after rows left); returns how many."""
-        self._drop_unfinished()
-        with self.batch.lock:
-            drop = self.batch.drop_leading_padding()
-            for layer in self.layers:
-                layer.length -= drop
-        return drop
 
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
@@ -337,64 +232,6 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Give every block back (`reset()`); what leaving ``with PagedCache(...) as cache:`` does."""
         self.reset()
-
-    def fork(self) -> PagedCache:
-        """A new cache on the same pool holding the same sequences, sharing every block (copy-on-write).
-
-        Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
-        fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
-        """
-        self._drop_unfinished()
-        twin = PagedCache(self._source, pool=self.pool, manual_commit=self.manual_commit)
-        with self.batch.lock:
-            self.batch.copy_to(twin.batch)
-            for mine, theirs in zip(twin.layers, self.layers):
-                mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
-        return twin
-
-    def __deepcopy__(self, memo: dict) -> PagedCache:
-        """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""
-        return self.fork()
-
-    def __copy__(self) -> PagedCache:
-        """`copy.copy(cache)` forks too: a shallow copy would share block tables that either side could free."""
-        return self.fork()
-
-    def __reduce_ex__(self, protocol: object) -> object:
-        raise TypeError(
-            "a PagedCache cannot be pickled or torch.save()d: its keys and values live in a block pool shared "
-            "with other caches. Save the token ids instead and prefill them again (or take them from a pool "
-            "with reuse_prefix()); for a portable copy of the tensors, save cache.layers[i].keys / .values"
-        )
-
-    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
-
-        Full blocks that earlier caches on this pool wrote (and registered by their token ids) are shared,
-        not recomputed; `generate(input_ids, cache=cache)` then computes only the remaining tokens.
-        Rows must not be padded. Returns the number of positions reused (a multiple of `block_size`, the
-        same for every row, always leaving at least one token to compute).
-
-        Args:
-            input_ids: ``[B, S]`` token ids.
-            attention_mask: ``[B, S]``, optional; if given it must be all ones (no padding).
-        """
-        _check_token_rows(input_ids)
-        if self.batch.tables.root is None:
-            raise ValueError(
-                "reuse_prefix() needs a cache built from the model (PagedCache(model)): cached blocks are keyed by "
-                "the model that computed them, which a config-built cache does not know"
-            )
-        self._drop_unfinished()
-        if self.batch_size or self.get_seq_length():
-            raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
-        with self.batch.lock:
-            length = self.batch.adopt_prefix(input_ids.tolist(), input_ids.device)
-            for layer in self.layers:
-                layer.length = length
-        return length
 
     def __enter__(self) -> PagedCache:
         return self
@@ -413,7 +250,7 @@ class PagedCache(Cache):
     @property
     def block_tables(self) -> RowsView:
         """A snapshot of each row's blocks (first layer group) and stored tokens, as last committed."""
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:
             return self.batch.committed()[0][0].copy()
 
@@ -425,7 +262,7 @@ class PagedCache(Cache):
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds, in total and per layer group, as last committed."""
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:
             return CacheStats.of(self.batch.committed()[0], self.pool)
 
@@ -434,17 +271,17 @@ class PagedCache(Cache):
 
         A sliding layer gives its last ``sliding_window - 1`` positions; padding positions read zeros.
         """
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:  # held while gathering: a commit may free blocks the last committed step holds
-            offset = self.layers[layer_idx].window_offset(self._committed_length())
+            offset = self.layers[layer_idx].window_offset(self.steps.committed_length())
             return self.batch.dense(layer_idx, offset)
 
     def __repr__(self) -> str:
-        self._settle_failed_here()
+        self.steps.settle_failed_here()
         with self.batch.lock:
             views = self.batch.committed()[0]
             blocks = [len(view.unique_blocks()) for view in views]
-            length = self._committed_length()
+            length = self.steps.committed_length()
         return (
             f"PagedCache(rows={views[0].batch_size}, length={length}, "
             f"blocks={blocks[0] if len(blocks) == 1 else blocks}, pool={self.pool!r})"
@@ -466,20 +303,6 @@ def _needs_grad(key_states: torch.Tensor, value_states: torch.Tensor, past_lengt
             "or no cache to train through a chunked forward"
         )
     return needs_grad
-
-
-def _check_token_rows(input_ids: object) -> None:
-    """`reuse_prefix`'s argument must be a non-empty 2-D integer tensor."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
-        raise TypeError(
-            "reuse_prefix() takes input_ids as a 2-D integer tensor [batch, tokens], got "
-            + (f"a {input_ids.ndim}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor)
-               else type(input_ids).__name__)
-        )
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"reuse_prefix() needs at least one row of at least one token, got shape {tuple(input_ids.shape)}"
-        )
 
 
 def _pool_for(

@@ -292,19 +292,3 @@ def build_index(
         index = StepIndex(write_slots, write_rows, read_slots, is_real, step.past_length, new_from_states)
         step.index[(group, device)] = index
     return index
-
-
-def write_new_tokens(storage: torch.Tensor, new: torch.Tensor, index: StepIndex) -> None:
-    """Store a layer's new keys (or values) ``[B, H, q, D]`` into its flat ``[slots, H, D]`` storage."""
-    batch_size, _, query_length, _ = new.shape
-    new = new.transpose(1, 2).reshape(batch_size * query_length, *storage.shape[1:])  # [B * q, H, D]
-    if index.write_rows is not None:
-        new = new.index_select(0, index.write_rows)  # [N, H, D] real tokens only
-    storage.index_copy_(0, index.write_slots, new.detach())  # the pool never joins an autograd graph
-
-
-def gather(storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Dense ``[B, H, kv_length, D]`` K or V: rows `rows` ``[B, H, kv_length]`` of the flat ``[slots * H, D]``."""
-    dim = storage.shape[-1]
-    return storage.view(-1, dim).index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # [B, H, kv, D]
-

@@ -101,16 +101,14 @@ class BlockPool:
 
     Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block
     that nobody holds stays in the free list with its contents and its key, so `match_prefix` can take it
-    back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an eviction). The free list's order makes
-    that least-recently-freed first.
+    back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an
+    eviction), least recently freed first.
 
     Thread safety: `_lock` guards the id space, the free list, the reference counts, the prefix index and the
     counters together, so concurrent caches on one pool never receive the same block, never double-free one
     and never see a half-updated index. Each public method takes it once; none calls user code while
-    holding it (`on_grow` runs between two holds, and the growth is decided again after it).
-
-    Listeners (`add_free_listener`) are called, outside the lock, whenever blocks go back to the free list:
-    a batcher waiting for room sleeps until then instead of polling.
+    holding it (`on_grow` runs between two holds, and the growth is decided again after it; listeners of
+    `add_free_listener`, which a batcher waiting for room sleeps on, after `free` lets it go).
     """
 
     def __init__(
