@@ -61,6 +61,19 @@ def held_blocks(pool):
     return pool.blocks.num_used
 
 
+DECODE_STEP = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+"""One decode step after `ragged_batch([0, 3], 20)`."""
+
+
+def assert_same_step(model, batch, step, paged):
+    """`paged`'s logits equal those of `step` after `batch` on a DynamicCache."""
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**batch, cache=dense, use_cache=True)
+        expected = model(**step, cache=dense, use_cache=True)
+    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- atomic steps
 
 
@@ -101,27 +114,21 @@ def test_interrupted_decode_step_rolls_back_to_the_previous_token(error):
         with torch.no_grad():
             model(**batch, cache=cache, use_cache=True)
             before = (cache.get_seq_length(), [list(t) for t in cache.block_tables.tables], held_blocks(cache.pool))
-            step = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+            step = DECODE_STEP
             fail_in_layer(model, 1, after_update=False, error=error)
             with pytest.raises(error):
                 model(**step, cache=cache, use_cache=True)
             # the next call that reads the cache rolls the unfinished step back: no crop() or reset() needed
             assert (cache.get_seq_length(), cache.block_tables.tables, held_blocks(cache.pool)) == before
             paged = model(**step, cache=cache, use_cache=True)
-        dense = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(**batch, cache=dense, use_cache=True)
-            expected = model(**step, cache=dense, use_cache=True)
-    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+    assert_same_step(model, batch, step, paged)
 
 
 def test_readers_on_another_thread_see_the_last_committed_step_and_change_nothing():
     """stats(), get_seq_length(), repr(), is_real, block_tables and layers[i].keys read from another thread in
     the middle of a forward: each sees the cache before the step and leaves the step alone (before this
     change they rolled the step back under the forward's feet)."""
-    model = tiny_model("llama")
-    batch = ragged_batch([0, 3], 20, seed=1)
-    step = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+    model, batch, step = tiny_model("llama"), ragged_batch([0, 3], 20, seed=1), DECODE_STEP
     seen = {}
 
     def read(cache):
@@ -144,17 +151,11 @@ def test_readers_on_another_thread_see_the_last_committed_step_and_change_nothin
         assert cache.get_seq_length() == 21
     assert seen.pop("keys").equal(before.pop("keys")) and seen.pop("mask").equal(before.pop("mask"))
     assert seen == before
-    dense = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(**batch, cache=dense, use_cache=True)
-        expected = model(**step, cache=dense, use_cache=True)
-    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+    assert_same_step(model, batch, step, paged)
 
 
 def test_manual_commit_keeps_a_forward_pending_until_commit_or_settle():
-    model = tiny_model("llama")
-    batch = ragged_batch([0, 3], 20, seed=1)
-    step = {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.ones(2, 21, dtype=torch.long)}
+    model, batch, step = tiny_model("llama"), ragged_batch([0, 3], 20, seed=1), DECODE_STEP
     with PagedCache(model, num_blocks=32, manual_commit=True) as cache, torch.no_grad():
         model(**batch, cache=cache, use_cache=True)
         assert (cache.get_seq_length(), cache.batch_size) == (0, 0)  # pending: readers see the cache before it
@@ -170,11 +171,7 @@ def test_manual_commit_keeps_a_forward_pending_until_commit_or_settle():
         assert cache.get_seq_length() == 20  # the refused forward dropped the pending one: nothing is half-kept
         paged = model(**step, cache=cache, use_cache=True)
         cache.commit()
-    dense = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(**batch, cache=dense, use_cache=True)
-        expected = model(**step, cache=dense, use_cache=True)
-    torch.testing.assert_close(paged.logits, expected.logits, rtol=0, atol=1e-5)
+    assert_same_step(model, batch, step, paged)
 
 
 def test_output_attentions_error_does_not_poison_the_prefix_cache():
