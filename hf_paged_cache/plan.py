@@ -16,6 +16,17 @@ each layer group ``g`` (layers caching the same span: full attention, or a slidi
                      with k = min(t, W - 1) (sliding: the blocks holding the last W - 1 tokens)
     weights        = safetensors bytes (rescaled to the dtype), else parameters x s
     free           = max_memory - weights; rows that fit = rows of this batch's mix whose KV fits in free
+
+A PagedCache pool of fixed size (``num_blocks``, or what ``max_memory`` buys: ``free // per block (all groups)``,
+as `KVPool.for_config` sizes it) gives EVERY group the same N blocks, block 0 being the null block, and a row
+takes a different number of blocks in each group:
+
+    peak blocks(t) = ceil(t / block_size) (full);  min(ceil(t / block_size), ceil(W / block_size) + 1) (sliding:
+                     the most a row holds during a step, `LayerGroup.max_blocks_per_row`)
+    rows that fit  = min over groups g of the rows whose peak blocks in g fit in N - 1   (the binding group)
+
+which is what `ContinuousBatcher` reserves for a request (prompt + max_new_tokens - 1 stored), so it admits
+that many such requests at once.
 """
 
 from __future__ import annotations
@@ -67,6 +78,23 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
+class PoolFit:
+    """What a fixed PagedCache pool holds of the batch's mix of rows, layer group by layer group.
+
+    Every group has `num_blocks` blocks (block 0, the null block, included), and a row takes a different number
+    of blocks in each (all of its tokens with full attention, at most ``ceil(W / block_size) + 1`` with a
+    window W), so the rows that fit are the fewest any group holds: the `binding_group`'s.
+    """
+
+    num_blocks: int  # blocks in every layer group, the null block included
+    sized_by: str  # "num_blocks", or "max_memory" (what the memory left beside the weights buys)
+    peak_blocks: dict[str, int]  # group name -> the most blocks the batch's rows hold in it together
+    rows_per_group: dict[str, int]  # group name -> rows of the batch's mix that its usable blocks hold
+    binding_group: str  # the group holding the fewest rows (the first such, in the order of `groups`)
+    rows: int  # rows that fit: ``rows_per_group[binding_group]``
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """What `plan_memory` found: every byte count for the batch described by its first fields."""
 
@@ -83,7 +111,8 @@ class MemoryPlan:
     kv_bytes: dict[str, int]  # cache name -> bytes for the whole batch
     weights: WeightEstimate
     max_memory: int | None
-    rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit beside the weights
+    paged_pool: PoolFit | None  # the fixed pool's fit per layer group (given num_blocks or max_memory)
+    rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit (beside the weights)
     assumptions: tuple[str, ...]
 
     @property
@@ -130,6 +159,19 @@ def static_positions(window: int | None, max_cache_len: int) -> int:
     return max_cache_len if window is None else min(window, max_cache_len)
 
 
+def pool_fit(
+    layouts: dict[LayerGroup, KVLayout], tokens: Sequence[int], block_size: int, num_blocks: int, sized_by: str
+) -> PoolFit:
+    """Rows of `tokens` (each row's stored tokens, in order) that a pool of `num_blocks` blocks in every
+    group holds at their peak (`LayerGroup.max_blocks_per_row`), group by group."""
+    peaks = {group.name: [group.max_blocks_per_row(t, block_size) for t in tokens] for group in layouts}
+    usable = max(num_blocks - 1, 0)  # block 0 is the null block
+    fits = {name: rows_that_fit(usable, costs) for name, costs in peaks.items()}
+    binding = min(fits, key=fits.get)  # the first group with the fewest rows
+    return PoolFit(num_blocks, sized_by, {name: sum(costs) for name, costs in peaks.items()}, fits, binding,
+                   fits[binding])
+
+
 def rows_that_fit(budget: int, row_costs: Sequence[int]) -> int:
     """Rows fitting in `budget`, taking the batch's rows in order, again and again (its mix of lengths)."""
     per_batch = sum(row_costs)
@@ -152,6 +194,7 @@ def plan_memory(
     dtype: str | torch.dtype = DEFAULT_DTYPE,
     block_size: int = DEFAULT_BLOCK_SIZE,
     max_memory: int | str | None = None,
+    num_blocks: int | None = None,
     max_cache_len: int | None = None,
     weight_bytes: int | WeightEstimate | None = None,
     model_name: str | None = None,
@@ -161,11 +204,18 @@ def plan_memory(
     `prompt_lens` is one length for all `batch_size` rows (default 32) or one length per row (then
     `batch_size` must be None or match). `weight_bytes` defaults to the parameter count of the model
     built from `config` on the meta device. Each row stores ``prompt + new_tokens`` tokens.
+
+    PagedCache's fit is that of a fixed pool (`PoolFit`): `num_blocks` blocks in every layer group, else what
+    ``max_memory - weights`` buys (as ``PagedCache(model, max_memory=...)`` or ``ContinuousBatcher`` build it).
+    With both, the pool must fit beside the weights (`ValueError` if not). DynamicCache's and StaticCache's fit
+    need `max_memory`.
     """
     dtype, layouts = torch_dtype(dtype), layer_groups(config)  # NotImplementedError for unsupported models
     lens = _prompt_lens(prompt_lens, batch_size)
     if new_tokens < 0 or block_size < 1:
         raise ValueError(f"need new_tokens >= 0 and block_size >= 1, got {new_tokens} and {block_size}")
+    if num_blocks is not None and num_blocks < 2:
+        raise ValueError(f"num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}")
     padded = max(lens) + new_tokens  # positions of every DynamicCache row (left padding)
     max_cache_len = padded if max_cache_len is None else max_cache_len
     if max_cache_len < padded:
@@ -173,12 +223,11 @@ def plan_memory(
     if not isinstance(weight_bytes, WeightEstimate):
         weight_bytes = (weights_from_config(config, dtype) if weight_bytes is None
                         else WeightEstimate(int(weight_bytes), "given"))
-    groups, row_bytes, total_blocks = [], [0] * len(lens), 0  # row_bytes: each row's PagedCache bytes
+    groups, total_blocks = [], 0
     for group, layout in layouts.items():
         window = group.window
         per_token, per_block = layout.bytes_per_token(dtype), bytes_per_block(layout, block_size, dtype)
         row_blocks = [group.blocks_kept(p + new_tokens, block_size) for p in lens]  # no padding in PagedCache
-        row_bytes = [total + blocks * per_block for total, blocks in zip(row_bytes, row_blocks)]
         total_blocks += sum(row_blocks)
         kv = {"DynamicCache": len(lens) * per_token * dynamic_positions(window, padded),
               "StaticCache": len(lens) * per_token * static_positions(window, max_cache_len),
@@ -188,18 +237,25 @@ def plan_memory(
     kv_bytes = {cache: sum(g.kv_bytes[cache] for g in groups) for cache in CACHES}
     per_block = sum(g.bytes_per_block for g in groups)
 
-    fit = None
+    fit, paged_pool = None, None
     if max_memory is not None:
         max_memory = parse_memory(max_memory)
         free = max_memory - weight_bytes.num_bytes
         fit = {cache: rows_that_fit(free, [kv_bytes[cache] // len(lens)] * len(lens)) for cache in CACHES[:2]}
-        fit["PagedCache"] = rows_that_fit(free - per_block, row_bytes)  # - per_block: the pool's null block
+        if num_blocks is not None and num_blocks * per_block > free:
+            raise ValueError(f"a pool of num_blocks={num_blocks} in every layer group takes {num_blocks * per_block:,} "
+                             f"bytes, more than the {max(free, 0):,} bytes that max_memory leaves beside the weights")
+    if num_blocks is not None or max_memory is not None:
+        sized_by = "num_blocks" if num_blocks is not None else "max_memory"
+        blocks = num_blocks if num_blocks is not None else max(free, 0) // per_block
+        paged_pool = pool_fit(layouts, [p + new_tokens for p in lens], block_size, blocks, sized_by)
+        fit = {**(fit or {}), "PagedCache": paged_pool.rows}
     return MemoryPlan(
         model=model_name or config.name_or_path or config.model_type, dtype=_name(dtype), block_size=block_size,
         prompt_lens=tuple(lens), new_tokens=new_tokens, max_cache_len=max_cache_len, groups=tuple(groups),
         bytes_per_token=sum(g.bytes_per_token for g in groups), bytes_per_block=per_block,
         paged_blocks=total_blocks, kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
-        rows_that_fit=fit, assumptions=_assumptions(config, groups, max_memory),
+        paged_pool=paged_pool, rows_that_fit=fit, assumptions=_assumptions(config, groups, max_memory, paged_pool),
     )
 
 
@@ -215,15 +271,23 @@ def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> li
     return lens
 
 
-def _assumptions(config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None) -> tuple[str, ...]:
+def _assumptions(
+    config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None, pool: PoolFit | None
+) -> tuple[str, ...]:
     notes = [
         "Each row stores prompt + new tokens; generate stores one fewer (its last token is never fed back) "
         "and sizes StaticCache to longest prompt + new tokens - 1.",
         "DynamicCache and StaticCache pad every row to the longest prompt (left padding). PagedCache stores "
         "real tokens only (built from the model, it sees the attention mask): ceil(tokens / block_size) "
-        "blocks per row, no prefix sharing; its pool's reserved null block is counted in the fit.",
+        "blocks per row, no prefix sharing.",
         "Weights are held in the planned dtype (no quantization); buffers such as rotary tables are not counted.",
     ]
+    if pool is not None:
+        notes.append("PagedCache's fit is a fixed pool's (num_blocks=, or max_memory= as PagedCache and "
+                     "ContinuousBatcher size it): the same number of blocks in every layer group, block 0 reserved; "
+                     "a row fits when its most blocks during a step fit in every group, so the rows that fit are "
+                     "those of the group that holds fewest (it binds). ContinuousBatcher admits that many such "
+                     "requests at once (max_new_tokens = new tokens + 1), at most max_running (64 by default).")
     if getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
         notes.append("MLA: the cache holds the compressed latent, 1 head of kv_lora_rank as keys and "
                      "qk_rope_head_dim as values (transformers 5.24), not per-head keys and values.")
@@ -312,7 +376,19 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [f"KV memory plan: {plan.model}, {plan.dtype}", "",
              f"{plan.batch_size} rows: {prompts} + {plan.new_tokens} new tokens each; PagedCache blocks of "
              f"{plan.block_size} tokens; StaticCache max_cache_len {plan.max_cache_len}.", "",
-             "| layers | caching | per layer: KV heads x (key + value dims) | KV per token | KV per block |",
+             *_layer_table(plan), "",
+             f"Weights: {format_bytes(plan.weights.num_bytes)} ({plan.weights.source}).", "", *_cache_table(plan)]
+    if plan.free_bytes is not None:
+        lines += ["", f"Free for the KV cache: {format_bytes(plan.max_memory)} - "
+                  f"{format_bytes(plan.weights.num_bytes)} of weights = {format_bytes(max(plan.free_bytes, 0))}."]
+    if plan.paged_pool is not None:
+        lines += ["", *_pool_lines(plan, plan.paged_pool)]
+    return "\n".join([*lines, "", "Assumptions:", *(f"- {note}" for note in plan.assumptions)])
+
+
+def _layer_table(plan: MemoryPlan) -> list[str]:
+    """Per layer group: its layers, what they cache per token and per block."""
+    lines = ["| layers | caching | per layer: KV heads x (key + value dims) | KV per token | KV per block |",
              "|---|---|---|---:|---:|"]
     for g in plan.groups:
         shapes = ", ".join(f"{s.num_heads} x ({s.key_dim} + {s.value_dim})" for s in g.layer_shapes)
@@ -321,23 +397,41 @@ def format_plan(plan: MemoryPlan) -> str:
     if len(plan.groups) > 1:
         lines.append(f"| {sum(g.num_layers for g in plan.groups)} | all | | {plan.bytes_per_token:,} B | "
                      f"{format_bytes(plan.bytes_per_block)} |")
-    lines += ["", f"Weights: {format_bytes(plan.weights.num_bytes)} ({plan.weights.source}).", ""]
+    return lines
+
+
+def _cache_table(plan: MemoryPlan) -> list[str]:
+    """Per cache: the batch's KV (per group too, for several), and the rows that fit where known."""
+    fit = plan.rows_that_fit
     columns = ["cache", "KV for the batch", "per row (mean)", *(g.name for g in plan.groups if len(plan.groups) > 1)]
-    if plan.rows_that_fit is not None:
-        columns += [f"rows that fit in {format_bytes(plan.max_memory)}", f"batch of {plan.batch_size} fits"]
-    lines += ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
+    if fit is not None:
+        where = f" in {format_bytes(plan.max_memory)}" if plan.max_memory is not None else ""
+        columns += [f"rows that fit{where}", f"batch of {plan.batch_size} fits"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for cache in CACHES:
         cells = [f"{cache} ({plan.paged_blocks:,} blocks)" if cache == "PagedCache" else cache,
                  format_bytes(plan.kv_bytes[cache]), format_bytes(plan.kv_bytes[cache] / plan.batch_size)]
         cells += [format_bytes(g.kv_bytes[cache]) for g in plan.groups if len(plan.groups) > 1]
-        if plan.rows_that_fit is not None:
-            fit = plan.rows_that_fit[cache]
-            cells += [f"{fit:,}", "yes" if fit >= plan.batch_size else "no"]
+        if fit is not None:
+            cells += ([f"{fit[cache]:,}", "yes" if fit[cache] >= plan.batch_size else "no"] if cache in fit
+                      else ["(needs --max-memory)", ""])
         lines.append("| " + " | ".join(cells) + " |")
-    if plan.free_bytes is not None:
-        lines += ["", f"Free for the KV cache: {format_bytes(plan.max_memory)} - "
-                  f"{format_bytes(plan.weights.num_bytes)} of weights = {format_bytes(max(plan.free_bytes, 0))}."]
-    return "\n".join([*lines, "", "Assumptions:", *(f"- {note}" for note in plan.assumptions)])
+    return lines
+
+
+def _pool_lines(plan: MemoryPlan, pool: PoolFit) -> list[str]:
+    """The fixed PagedCache pool: its blocks, and for several layer groups the rows each group holds."""
+    sized = "as num_blocks asks" if pool.sized_by == "num_blocks" else "what the free memory buys"
+    head = f"PagedCache pool: {pool.num_blocks:,} blocks of {plan.block_size} tokens"
+    if len(plan.groups) == 1:
+        return [f"{head} ({sized}; block 0 is the reserved null block): {pool.rows:,} rows of this mix fit."]
+    lines = [f"{head} in every layer group ({sized}; block 0 is the reserved null block), so the group that "
+             "holds the fewest rows binds:", "",
+             "| layer group | blocks the batch's rows hold at most | rows that fit |", "|---|---:|---:|"]
+    for name, rows in pool.rows_per_group.items():
+        binds = " (binds)" if name == pool.binding_group else ""
+        lines.append(f"| {name} | {pool.peak_blocks[name]:,} | {rows:,}{binds} |")
+    return lines
 
 
 def parse_lengths(text: str) -> int | list[int]:
@@ -368,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default=DEFAULT_DTYPE, choices=("float32", "bfloat16", "float16"),
         help="dtype of weights and KV cache (default: %(default)s)")
     add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="PagedCache tokens per block (default: %(default)s)")
+    add("--num-blocks", type=int, help="a PagedCache pool of this many blocks in every layer group, block 0 "
+        "reserved, as PagedCache(num_blocks=) and ContinuousBatcher(num_blocks=) build it (default: what "
+        "--max-memory minus the weights buys)")
     add("--max-cache-len", type=int, help="StaticCache length (default: longest prompt + new tokens)")
     add("--json", action="store_true", help="print the plan as JSON instead of tables")
     return parser
@@ -380,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, weights = load_config_and_weight_bytes(args.model, args.dtype)
         plan = plan_memory(config, batch_size=args.batch, prompt_lens=args.prompt_len, new_tokens=args.new_tokens,
                            dtype=args.dtype, block_size=args.block_size, max_memory=args.max_memory,
-                           max_cache_len=args.max_cache_len, weight_bytes=weights,
+                           num_blocks=args.num_blocks, max_cache_len=args.max_cache_len, weight_bytes=weights,
                            model_name=args.model or DEFAULT_MODEL)
     except (ValueError, NotImplementedError) as error:
         parser.error(str(error))

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ragged_batch, tiny_model
+from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
-from hf_paged_cache import PagedCache
+from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.bench.kv_bytes import cache_tensor_bytes
 from hf_paged_cache.models import resolve_model_path
 from hf_paged_cache.plan import (
+    format_plan,
     load_config_and_weight_bytes,
     main,
     plan_memory,
@@ -170,6 +171,54 @@ def test_mla_caches_the_latent():
     assert_close(planned.kv_bytes, measure(model, [20, 9], 3, block_size=4))
 
 
+# tiny Gemma 3 (window 12; layers sliding, sliding, full) in float32, blocks of 4 tokens: a block of one layer is
+# 2 KV heads x 16 dims x (K + V) x 4 bytes x 4 tokens = 1 KiB, so one block in every group costs 3 KiB
+GEMMA3_BLOCK = 3 * 2 * 16 * 2 * 4 * 4
+
+
+def test_a_fixed_pool_holds_the_rows_its_binding_group_holds():
+    config = tiny_model("gemma3_text").config
+    plan = plan_memory(config, batch_size=8, prompt_lens=20, new_tokens=60, dtype="float32", block_size=4,
+                       max_memory=61 * GEMMA3_BLOCK, weight_bytes=0)
+    # max_memory buys 61 blocks in EVERY group (block 0 is the null block): 60 usable in each. A row stores 80
+    # tokens: 20 blocks of full attention, and at most ceil(12 / 4) + 1 = 4 of the sliding group during a step
+    assert plan.paged_pool.num_blocks == 61
+    assert plan.paged_pool.rows_per_group == {"full attention": 3, "sliding window 12": 15}
+    assert plan.paged_pool.binding_group == "full attention"
+    assert plan.rows_that_fit["PagedCache"] == 3  # a byte total (26 KiB a row in 180 KiB) said 6
+    by_blocks = plan_memory(config, batch_size=8, prompt_lens=20, new_tokens=60, dtype="float32", block_size=4,
+                            num_blocks=61, weight_bytes=0)
+    assert by_blocks.rows_that_fit == {"PagedCache": 3}  # DynamicCache and StaticCache need max_memory
+    assert by_blocks.paged_pool.rows_per_group == plan.paged_pool.rows_per_group
+    text = format_plan(plan)
+    assert "61 blocks of 4 tokens in every layer group (what the free memory buys" in text
+    assert "| full attention | 160 | 3 (binds) |" in text  # 8 rows x 20 blocks
+    assert "| sliding window 12 | 32 | 15 |" in text  # 8 rows x 4 blocks
+    assert "(needs --max-memory)" in format_plan(by_blocks)
+
+
+@pytest.mark.parametrize("sized_by", ["num_blocks", "max_memory"])
+def test_the_planned_rows_run_together_on_a_real_batcher_and_one_more_waits(sized_by):
+    model = tiny_model("gemma3_text")
+    prompt_len, new_tokens, block_size = 20, 60, 4
+    pool_size = {"num_blocks": 61} if sized_by == "num_blocks" else {"max_memory": 61 * GEMMA3_BLOCK}
+    plan = plan_memory(model.config, batch_size=1, prompt_lens=prompt_len, new_tokens=new_tokens, dtype="float32",
+                       block_size=block_size, weight_bytes=0, **pool_size)
+    rows = plan.rows_that_fit["PagedCache"]
+    assert rows == 3  # full attention binds: 20 of its 60 usable blocks a row
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (prompt_len,), generator=generator).tolist() for _ in range(rows + 1)]
+    with ContinuousBatcher(model, block_size=block_size, **pool_size) as batcher:
+        # picking new_tokens + 1 tokens stores prompt + new_tokens (the last one is never fed back): the plan's rows
+        handles = [batcher.submit(prompt, max_new_tokens=new_tokens + 1) for prompt in prompts]
+        outputs = [handle.result(timeout=120) for handle in handles]
+        assert batcher.preemptions == 0
+    assert all(len(output) == new_tokens + 1 for output in outputs)
+    first_done = min(handle.finish_time for handle in handles[:rows])
+    assert all(handle.first_token_time < first_done for handle in handles[:rows])  # the planned rows ran together
+    assert handles[rows].first_token_time > first_done  # one more did not fit beside them: it waited for blocks
+
+
 def test_rows_that_fit_repeats_the_batch_mix():
     assert rows_that_fit(100, [10, 30]) == 5  # 2 whole batches (80), then the 10-row
     assert rows_that_fit(9, [10, 30]) == 0
@@ -224,7 +273,8 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.count("default") == 8  # one per option with a default (--json has none)
+    assert text.count("default") == 9  # one per option with a default (--json has none)
     for default in ("(default: 24GiB)", "(default: 32,", "(default: 512)", "(default: 256)", "(default: bfloat16)",
-                    "(default: 16)", "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
+                    "(default: 16)", "(default: what --max-memory minus the weights buys)",
+                    "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
         assert text.count(default) == 1, default
