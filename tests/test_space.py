@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 pytest.importorskip("gradio", reason="the Space needs gradio: pip install 'gradio==6.31.0' matplotlib")
 pytest.importorskip("matplotlib", reason="the Space needs matplotlib: pip install matplotlib")
@@ -108,6 +108,36 @@ def test_batch_shares_the_common_prefix_and_gives_every_block_back(tiny):
     assert paged.reserved_bytes < private.memory[0].reserved_bytes < dynamic.reserved_bytes <= static.reserved_bytes
     pool = pools.pool(8)
     assert pool.blocks.num_free == pool.blocks.capacity  # released after the request
+
+
+def _generate_each_row(model, tokenizer, system_prompt: str, prompts_text: str, max_new_tokens: int) -> tuple[str, ...]:
+    """Each prompt alone through `generate` with a `DynamicCache`: no padding, no sharing (the reference)."""
+    answers = []
+    for prompt in app.parse_prompts(prompts_text):
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+        ids = torch.tensor([app.prompt_ids(tokenizer, messages)])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=app.pad_token_id(tokenizer))
+        answers.append(str(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)).strip())
+    return tuple(answers)
+
+
+def test_sharing_the_prefix_keeps_the_answers_of_a_small_sliding_window():
+    model, tokenizer = tiny_model("gemma3_text"), tiny_tokenizer()  # sliding window 12; layers sliding, sliding, full
+    pools = app.SharedPools(model, 64, block_sizes=(8,))
+    system = "A system prompt long enough to fill a few blocks of eight characters."
+    kwargs = dict(system_prompt=system, max_new_tokens=8, block_size=8, block_budget=63)
+    shared = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
+    private = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
+    assert shared.shared_tokens >= 64 > 12  # the shared prefix is several windows long
+    assert len(set(shared.prompt_lengths)) == 3  # a ragged batch: the shorter rows are padded
+    expected = _generate_each_row(model, tokenizer, system, BATCH, max_new_tokens=8)
+    assert private.outputs == expected
+    assert shared.outputs == expected  # sharing blocks changes memory, not tokens
+    shared_blocks = [s for s in block_states(shared.snapshot) if s.kind is BlockKind.SHARED]
+    assert len(shared_blocks) == shared.shared_tokens // 8  # the full-attention layer stores the prefix once
+    pool = pools.pool(8)
+    assert all(blocks.num_used == 0 for blocks in pool.groups)  # every group's blocks came back
 
 
 @pytest.mark.parametrize(

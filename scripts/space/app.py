@@ -407,8 +407,9 @@ def run_batch(
     """Run the prompts as one ragged batch through `generate` with a `PagedCache` on the shared pool.
 
     Each prompt is chat-templated (with `system_prompt` if given). With `share_prefix`, the whole blocks at
-    the start that every row has in common (the system prompt) are prefilled once in a one-row cache;
-    `generate` then repeats that row for the batch, so its blocks are shared rather than copied. The
+    the start that every row has in common (the system prompt) are prefilled once and every row shares their
+    blocks rather than copying them (`prefill_sharing_prefix`); the answers are those of the unshared batch,
+    sliding-window models included. The
     request is admitted only if its worst case (`blocks_needed`) fits `block_budget`; it then waits in the
     pool's `WaitingLine` until those blocks are free (`on_wait(message)` is called if it has to wait).
 
@@ -444,22 +445,18 @@ def run_batch(
         )
 
     pad = pad_token_id(tokenizer)
-    width = max(len(r) for r in rows) - shared
-    input_ids = torch.full((len(rows), shared + width), pad, dtype=torch.long)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):
-        # shared prefix, then left padding, then the row's own tokens
-        input_ids[i, :shared] = torch.tensor(row[:shared])
-        attention_mask[i, :shared] = 1
-        input_ids[i, shared + width - (len(row) - shared) :] = torch.tensor(row[shared:])
-        attention_mask[i, shared + width - (len(row) - shared) :] = 1
+    for i, row in enumerate(rows):  # left padding, then the row's tokens
+        input_ids[i, width - len(row) :] = torch.tensor(row)
+        attention_mask[i, width - len(row) :] = 1
 
     queued = time.perf_counter()
     with line.admit(needed, on_wait), PagedCache(model, pool=pool) as cache:
         start = time.perf_counter()
         if shared:
-            with torch.no_grad():
-                model(input_ids=input_ids[:1, :shared], cache=cache, use_cache=True)
+            prefill_sharing_prefix(model, cache, rows, shared)
         output = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -493,6 +490,28 @@ def run_batch(
     full_static = static_cache_reserved_bytes(model.config, context_length(model), len(rows), model.dtype)
     return BatchResult(tuple(prompts), outputs, tuple(len(r) for r in rows), tuple(new_tokens), shared,
                        snapshot, tuple(memory), full_static, seconds, waited_s=start - queued)
+
+
+def prefill_sharing_prefix(model: PreTrainedModel, cache: PagedCache, rows: Sequence[Sequence[int]],
+                           shared: int) -> None:
+    """Store every row of `rows` but its last token in the empty `cache`, their first `shared` tokens once.
+
+    The common prefix is prefilled in a cache of its own; each row goes on in a fork of it (sharing its blocks)
+    and then joins `cache` (`add_rows_from`), which right-aligns the rows: each is left padding, then all of
+    its tokens, the layout of the left-padded batch that `generate` then continues (its last tokens). Padding
+    between the prefix and a row's own tokens would change the answers of sliding-window layers: a window
+    counts positions, padding included, so it would see fewer of the row's tokens than the row alone does.
+    """
+    device = model.device
+    with torch.no_grad(), PagedCache(model, pool=cache.pool) as prefix:
+        model(input_ids=torch.tensor([rows[0][:shared]], device=device), cache=prefix, use_cache=True)
+        for row in rows:
+            with prefix.fork() as own:
+                if len(row) - 1 > shared:
+                    positions = torch.arange(shared, len(row) - 1, device=device).unsqueeze(0)  # [1, own - 1]
+                    model(input_ids=torch.tensor([row[shared:-1]], device=device), position_ids=positions,
+                          cache=own, use_cache=True)
+                cache.add_rows_from(own)
 
 
 def outputs_html(result: BatchResult) -> str:
