@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoModelForCausalLM, PreTrainedConfig
 
+from .config_limits import check_config_dict, load_config, one_line
 from .models import DEFAULT_MODEL, resolve_model_path
 from .pool.memory import (
     KVLayout,
@@ -313,9 +314,18 @@ def weights_of_model(model: nn.Module, dtype: str | torch.dtype, source: str) ->
 
 
 def weights_from_config(config: PreTrainedConfig, dtype: str | torch.dtype) -> WeightEstimate:
-    """Count the parameters of the model built from `config` on the meta device (no memory, no download)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    """Count the parameters of the model built from `config` on the meta device (no memory, no download).
+
+    The config is first checked against `config_limits.CONFIG_LIMITS` (building takes time in proportion to
+    its layers). Raises `ValueError` for a config beyond them or one transformers cannot build a model from.
+    """
+    check_config_dict(config.to_dict())
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:
+        raise ValueError(f"cannot build a {config.model_type} model from this config to count its parameters: "
+                         f"{one_line(error)}") from None
     return weights_of_model(model, dtype, "counted on the meta device")
 
 
@@ -354,7 +364,7 @@ def load_config_and_weight_bytes(model: str | None, dtype: str | torch.dtype) ->
     """A model's config (folder, config.json path or Hub id; None = the package's default model) and its
     weight bytes in `dtype`: from local safetensors when the folder has them, else counted from the config."""
     path, dtype = resolve_model_path(model), torch_dtype(dtype)
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)  # ValueError for a config that cannot be read or is beyond CONFIG_LIMITS
     stored = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else None
     weights = weights_from_folder(Path(path), dtype, stored) if Path(path).is_dir() else None
     return config, weights or weights_from_config(config, dtype)

@@ -13,6 +13,7 @@ torch's default on a busy machine).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import re
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 
 pytest.importorskip("gradio", reason="the Space needs gradio: pip install 'gradio==6.31.0' matplotlib")
 pytest.importorskip("matplotlib", reason="the Space needs matplotlib: pip install matplotlib")
@@ -255,6 +256,53 @@ def test_plan_tab_plans_the_demo_model_and_refuses_bad_inputs(tiny, monkeypatch)
             app.run_plan(model, "tiny", **change)
 
 
+# config.json files a Hub repository could hold, each beyond what any released model asks
+CRAFTED_CONFIGS = [
+    ({"model_type": "gemma3_text", "num_hidden_layers": 10**6}, r"num_hidden_layers = 1,000,000 .* at most 256"),
+    ({"model_type": "gemma3", "vision_config": {"num_hidden_layers": 2000}}, r"vision_config.num_hidden_layers"),
+    ({"model_type": "llama", "num_hidden_layers": 200, "text_config": {"num_hidden_layers": 200}}, "in all"),
+    ({"model_type": "llama", "max_position_embeddings": 10**9}, "max_position_embeddings = 1,000,000,000"),
+    ({"model_type": "llama", "vocab_size": 10**12}, "vocab_size"),
+    ({"model_type": "llama", "num_attention_heads": 10**6, "num_key_value_heads": 10**6}, "num_attention_heads"),
+    ({"model_type": "llama", "hidden_size": 2.5}, "hidden_size must be a whole number"),
+    ({"model_type": "llama", "num_hidden_layers": -3}, "num_hidden_layers = -3 must not be negative"),
+    ({"model_type": "llama", "layer_types": ["full_attention"] * 100_000}, "layer_types has 100,000 items"),
+]
+LLAMA_3_405B = {  # meta-llama/Llama-3.1-405B's config.json, the sizes that matter: a real model plans as before
+    "model_type": "llama", "num_hidden_layers": 126, "hidden_size": 16384, "intermediate_size": 53248,
+    "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+
+
+def _serve_config(monkeypatch, config: dict) -> None:
+    """Make every config read (a Hub id included) return `config`, as if a repository held it."""
+    monkeypatch.setattr(PreTrainedConfig, "get_config_dict",
+                        classmethod(lambda cls, *args, **kwargs: (copy.deepcopy(config), {})))
+
+
+@pytest.mark.parametrize(("config", "message"), CRAFTED_CONFIGS)
+def test_plan_tab_refuses_a_crafted_config_at_once(tiny, monkeypatch, config, message):
+    model, _ = tiny
+    _serve_config(monkeypatch, config)
+    start = time.perf_counter()
+    with pytest.raises(app.InputError, match=message) as error:
+        app.run_plan(model, "tiny", hub_id="someone/crafted")
+    assert time.perf_counter() - start < 0.5  # no config object or meta model was built for it
+    assert len(str(error.value)) < 300
+
+
+def test_plan_tab_plans_a_405b_config_within_a_second(tiny, monkeypatch):
+    model, _ = tiny
+    _serve_config(monkeypatch, LLAMA_3_405B)
+    start = time.perf_counter()
+    text = app.run_plan(model, "tiny", hub_id="meta-llama/Llama-3.1-405B", max_memory="1TiB")
+    assert time.perf_counter() - start < 1
+    assert "| 126 | full attention | 8 x (128 + 128) | 516,096 B |" in text  # 126 x 8 x 256 x bf16
+    assert "405,853,388,800 parameters" in text
+
+
 class _NoTokenizer:
     """Stands in for the tokenizer where nothing may be tokenized: any use of it fails the test."""
 
@@ -268,7 +316,7 @@ def test_long_inputs_are_refused_before_tokenizing(tiny, monkeypatch):
     huge = "x" * 10_000_000  # 10 MB: tokenizing it would take seconds
     pools = app.SharedPools(model, 16, block_sizes=(16,))
     line = pools.line(16)
-    monkeypatch.setattr(app, "AutoConfig", None)  # the plan must not fetch a config for these either
+    monkeypatch.setattr(app, "load_config", None)  # the plan must not fetch a config for these either
     monkeypatch.setattr(app, "plan_memory", None)
     requests = [
         (lambda: app.run_batch(model, tokenizer, pools, huge), "limit is 32,000"),

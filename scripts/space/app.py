@@ -49,10 +49,11 @@ from pool_view import (
     draw_pool_grid,
     format_bytes,
 )
-from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError, parse_memory
 from hf_paged_cache.bench import FirstTokenTimer, static_cache_reserved_bytes
+from hf_paged_cache.config_limits import load_config
 from hf_paged_cache.plan import format_plan, plan_memory, weights_of_model
 
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
@@ -94,7 +95,8 @@ MAX_PLAN_LENGTHS_CHARS = 16 * MAX_PLAN_ROWS  # the plan's "prompt lengths" box
 MAX_PLAN_TOKENS = 1 << 20  # per prompt, and new tokens per row
 MAX_PLAN_BLOCK_SIZE = 1024
 MAX_PLAN_MEMORY = 1 << 50  # 1 PiB
-MAX_PLAN_LAYERS = 512  # a Hub config is instantiated on the meta device to count its parameters
+# a Hub config's own sizes (layers, heads, dims, vocabulary, experts, positions) are bounded by
+# hf_paged_cache.config_limits.CONFIG_LIMITS before transformers builds it
 PLAN_DTYPES = ("float32", "bfloat16", "float16")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name; never a local path
 
@@ -750,12 +752,9 @@ def run_plan(
             raise InputError(f"Enter a Hub model id such as 'meta-llama/Llama-2-7b-hf' (local paths are not "
                              f"read); got {hub_id!r}.")
         try:
-            config = AutoConfig.from_pretrained(hub_id)
-        except (OSError, ValueError) as error:
-            raise InputError(f"Could not read the config of {hub_id!r}: {error}") from None
-        layers = getattr(config.get_text_config(decoder=True), "num_hidden_layers", 0) or 0
-        if layers > MAX_PLAN_LAYERS:
-            raise InputError(f"{hub_id!r} has {layers} layers; this demo plans models of at most {MAX_PLAN_LAYERS}.")
+            config = load_config(hub_id)  # the raw config.json is checked against CONFIG_LIMITS first
+        except ValueError as error:
+            raise InputError(f"Could not plan {hub_id!r}: {error}.") from None
         weights, name = None, hub_id
     else:
         config, name = model.config, model_name or model.config.model_type
