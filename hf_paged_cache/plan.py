@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -54,6 +56,13 @@ from .pool.memory import (
 )
 
 DEFAULT_BATCH, DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 32, 512, 256
+MAX_ROWS = 1 << 16
+"""Most rows a plan takes (65,536; the rows are listed one by one)."""
+MAX_TOKENS = 1 << 24
+"""Most tokens of a prompt, of new tokens per row, of a block and of StaticCache's length (16,777,216, the
+positions limit of `config_limits.CONFIG_LIMITS`)."""
+MAX_BLOCKS = 1 << 40
+"""Most blocks of a planned pool."""
 DEFAULT_DTYPE, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MEMORY = "bfloat16", 16, "24GiB"
 CACHES = ("DynamicCache", "StaticCache", "PagedCache")
 _SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -144,8 +153,17 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def layer_groups(config: PreTrainedConfig) -> dict[LayerGroup, KVLayout]:
-    """The model's layer groups (full attention first, then each window), each with its layers' shapes."""
+    """The model's layer groups (full attention first, then each window), each with its layers' shapes.
+
+    Raises `NotImplementedError` for a model PagedCache does not support, `ValueError` for a config without
+    attention layers or with layers that cache nothing (0 heads or dims).
+    """
     layout = KVLayout.from_config(config)  # NotImplementedError for unsupported models
+    empty = [shape for shape in layout.layers if min(shape.num_heads, shape.key_dim, shape.value_dim) < 1]
+    if not layout.layers or empty:
+        raise ValueError(f"the config has {layout.num_layers} attention layers" + (
+            f", caching {empty[0].num_heads} KV heads of key dim {empty[0].key_dim} and value dim "
+            f"{empty[0].value_dim}: nothing to plan" if empty else ": nothing to plan"))
     return {group: KVLayout(tuple(layout.layers[i] for i in group.layers)) for group in layout.groups}
 
 
@@ -213,12 +231,12 @@ def plan_memory(
     """
     dtype, layouts = torch_dtype(dtype), layer_groups(config)  # NotImplementedError for unsupported models
     lens = _prompt_lens(prompt_lens, batch_size)
-    if new_tokens < 0 or block_size < 1:
-        raise ValueError(f"need new_tokens >= 0 and block_size >= 1, got {new_tokens} and {block_size}")
-    if num_blocks is not None and num_blocks < 2:
-        raise ValueError(f"num_blocks must be at least 2 (block 0 is the reserved null block), got {num_blocks}")
+    new_tokens = bounded_count("new_tokens", new_tokens, 0, MAX_TOKENS)
+    block_size = bounded_count("block_size", block_size, 1, MAX_TOKENS)
+    if num_blocks is not None:
+        num_blocks = bounded_count("num_blocks", num_blocks, 2, MAX_BLOCKS, " (block 0 is the reserved null block)")
     padded = max(lens) + new_tokens  # positions of every DynamicCache row (left padding)
-    max_cache_len = padded if max_cache_len is None else max_cache_len
+    max_cache_len = padded if max_cache_len is None else bounded_count("max_cache_len", max_cache_len, 1, 2 * MAX_TOKENS)
     if max_cache_len < padded:
         raise ValueError(f"max_cache_len={max_cache_len} is below longest prompt + new tokens = {padded}")
     if not isinstance(weight_bytes, WeightEstimate):
@@ -260,15 +278,36 @@ def plan_memory(
     )
 
 
+def bounded_count(name: str, value: object, low: int, high: int, hint: str = "") -> int:
+    """`value` as an int if it is a whole number from `low` to `high` (numpy integers too), else `ValueError`."""
+    try:
+        number = operator.index(value)  # refuses floats and strings
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or not low <= number <= high:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name} must be from {low:,} to {high:,}{hint}; got {shown}")
+    return number
+
+
 def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> list[int]:
+    """One prompt length per row, each from 1 to `MAX_TOKENS`, at most `MAX_ROWS` rows (checked before the
+    list is built)."""
+    if batch_size is not None:
+        batch_size = bounded_count("batch_size", batch_size, 1, MAX_ROWS)
     if isinstance(prompt_lens, int):
         lens = [prompt_lens] * (DEFAULT_BATCH if batch_size is None else batch_size)
     else:
-        lens = [int(p) for p in prompt_lens]
+        if len(prompt_lens) > MAX_ROWS:
+            raise ValueError(f"at most {MAX_ROWS:,} rows; got {len(prompt_lens):,} prompt lengths")
+        lens = list(prompt_lens)
         if batch_size is not None and batch_size != len(lens):
             raise ValueError(f"batch_size={batch_size} but {len(lens)} prompt lengths were given")
-    if not lens or min(lens) < 1:
-        raise ValueError(f"need at least one row and prompt lengths >= 1, got {lens}")
+    if not lens:
+        raise ValueError("need at least one prompt length")
+    for row, length in enumerate(lens, start=1):
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS:
+            raise ValueError(f"prompt lengths must be from 1 to {MAX_TOKENS:,} tokens; row {row} has {length!r}")
     return lens
 
 
@@ -323,7 +362,7 @@ def weights_from_config(config: PreTrainedConfig, dtype: str | torch.dtype) -> W
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, ArithmeticError) as error:
         raise ValueError(f"cannot build a {config.model_type} model from this config to count its parameters: "
                          f"{one_line(error)}") from None
     return weights_of_model(model, dtype, "counted on the meta device")
@@ -334,8 +373,18 @@ def weights_from_folder(folder: Path, dtype: torch.dtype, stored: torch.dtype | 
 
     The index's ``metadata.total_size`` is rescaled from `stored` (the config's dtype) when known; a single
     file's header gives each tensor's size and dtype, and its floating tensors are rescaled to `dtype`.
+    Raises `ValueError` for a file that cannot be read as either (cut short, not JSON, fields missing).
     """
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    try:
+        return _weights_from_files(index, single, dtype, stored)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as error:  # a cut or malformed file
+        name = index.name if index.is_file() else single.name
+        raise ValueError(f"cannot read the weight sizes from {folder / name}: {one_line(error)}") from None
+
+
+def _weights_from_files(index: Path, single: Path, dtype: torch.dtype, stored: torch.dtype | None) -> WeightEstimate | None:
+    """`weights_from_folder`'s reading of the index (`index`) or the single file's header (`single`)."""
     if index.is_file():
         total = int(json.loads(index.read_text())["metadata"]["total_size"])
         if stored is None or not stored.is_floating_point or stored == dtype:
@@ -362,9 +411,14 @@ def weights_from_folder(folder: Path, dtype: torch.dtype, stored: torch.dtype | 
 
 def load_config_and_weight_bytes(model: str | None, dtype: str | torch.dtype) -> tuple[PreTrainedConfig, WeightEstimate]:
     """A model's config (folder, config.json path or Hub id; None = the package's default model) and its
-    weight bytes in `dtype`: from local safetensors when the folder has them, else counted from the config."""
+    weight bytes in `dtype`: from local safetensors when the folder has them, else counted from the config.
+
+    Raises `ValueError` for a config or weights file that cannot be read or a config beyond
+    `config_limits.CONFIG_LIMITS`, and `NotImplementedError` for a model PagedCache does not support.
+    """
     path, dtype = resolve_model_path(model), torch_dtype(dtype)
-    config = load_config(path)  # ValueError for a config that cannot be read or is beyond CONFIG_LIMITS
+    config = load_config(path)
+    layer_groups(config)  # an unsupported model is told so before its weights are counted
     stored = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else None
     weights = weights_from_folder(Path(path), dtype, stored) if Path(path).is_dir() else None
     return config, weights or weights_from_config(config, dtype)
@@ -453,8 +507,15 @@ def parse_lengths(text: str) -> int | list[int]:
     return values[0] if len(values) == 1 else values
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, saying what is wrong in one line (``prog: error: ...``, status 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message, limit=500)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m hf_paged_cache.plan",
         description="Plan KV-cache memory from a model's config (no weights are downloaded): KV bytes per token "
         "and block, weight bytes, and how many sequences fit beside the weights with DynamicCache, StaticCache "
@@ -481,6 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Print the plan for the command line `argv`; 0 on success.
+
+    Bad input (options, a model that cannot be read, a config beyond `config_limits.CONFIG_LIMITS`, sizes
+    out of bounds, a model the cache does not support) prints one line, ``prog: error: ...``, and exits with
+    status 2 (`SystemExit`); anything else is a bug and keeps its traceback.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -490,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            num_blocks=args.num_blocks, max_cache_len=args.max_cache_len, weight_bytes=weights,
                            model_name=args.model or DEFAULT_MODEL)
     except (ValueError, NotImplementedError) as error:
-        parser.error(str(error))
+        parser.error(one_line(error, limit=500))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
+import hf_paged_cache.plan as plan_module
 from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.bench.kv_bytes import cache_tensor_bytes
 from hf_paged_cache.models import resolve_model_path
@@ -28,7 +32,8 @@ from hf_paged_cache.plan import (
     weights_from_config,
 )
 
-LLAMA2_7B = Path(__file__).parent / "data" / "llama2_7b_config.json"  # meta-llama/Llama-2-7b-hf's config.json
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2_7B = ROOT / "tests" / "data" / "llama2_7b_config.json"  # meta-llama/Llama-2-7b-hf's config.json
 TOLERANCE = 0.02
 
 
@@ -260,6 +265,73 @@ def test_cli_prints_the_table_and_json(capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(LLAMA2_7B), "--prompt-len", "100,7", "--batch", "3"])
     assert "batch_size=3 but 2 prompt lengths" in capsys.readouterr().err
+
+
+def _one_line_error(stderr: str) -> str:
+    """The message of an argparse-style one-line error; fails the test on anything else (a traceback, usage)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("python -m hf_paged_cache.plan: error: "), lines[0]
+    return lines[0]
+
+
+def test_cli_bad_input_is_one_error_line_and_status_2(tmp_path):
+    cases = [  # each its own process, both at once: `python -m hf_paged_cache.plan` as a user runs it
+        (["--max-memory", "lots"], "cannot read 'lots' as a memory size"),
+        (["--model", str(tmp_path / "missing" / "config.json")], "cannot read a config from"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    runs = [subprocess.Popen([sys.executable, "-m", "hf_paged_cache.plan", *argv], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv, _ in cases]
+    for run, (argv, message) in zip(runs, cases):
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 2 and not out, (argv, run.returncode, out)
+        assert message in _one_line_error(err), argv
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt-len", "-5"], "prompt lengths must be from 1 to 16,777,216 tokens; row 1 has -5"),
+    (["--prompt-len", "12,x"], "expected a length or comma-separated lengths"),
+    (["--new-tokens", "-1"], "new_tokens must be from 0 to 16,777,216; got -1"),
+    (["--batch", "0"], "batch_size must be from 1 to 65,536; got 0"),
+    (["--batch", "1000000000"], "batch_size must be from 1 to 65,536"),  # not a list of 10^9 rows
+    (["--block-size", "0"], "block_size must be from 1 to 16,777,216; got 0"),
+    (["--num-blocks", "1"], "num_blocks must be from 2 to 1,099,511,627,776 (block 0 is the reserved null block); got 1"),
+    (["--max-memory", "24GiB", "--num-blocks", "100000"], "more than the"),  # 781 GiB of blocks
+    (["--unknown"], "unrecognized arguments: --unknown"),
+])
+def test_cli_refuses_bad_numbers_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(LLAMA2_7B), *argv])
+    assert exit_info.value.code == 2
+    assert message in _one_line_error(capsys.readouterr().err)
+
+
+def test_cli_refuses_broken_model_folders_in_one_line(capsys, tmp_path):
+    tiny_model("llama").config.save_pretrained(tmp_path / "no_metadata")
+    (tmp_path / "no_metadata" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (tmp_path / "no_type").mkdir()
+    (tmp_path / "no_type" / "config.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    (tmp_path / "no_layers").mkdir()
+    (tmp_path / "no_layers" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 0}')
+    for folder, message in (("no_metadata", "cannot read the weight sizes"), ("no_type", "model_type None"),
+                            ("cut", "not a valid JSON file"), ("no_layers", "0 attention layers"),
+                            ("nowhere", "cannot read a config")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", str(tmp_path / folder)])
+        assert exit_info.value.code == 2
+        assert message in _one_line_error(capsys.readouterr().err), folder
+
+
+def test_cli_keeps_the_traceback_of_a_real_bug(monkeypatch):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the planner")
+
+    monkeypatch.setattr(plan_module, "plan_memory", broken)
+    with pytest.raises(ZeroDivisionError, match="a bug in the planner"):  # not turned into "error: ..."
+        main(["--model", str(LLAMA2_7B)])
 
 
 def test_cli_default_model(capsys, monkeypatch):
