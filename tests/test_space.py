@@ -377,6 +377,31 @@ def test_none_inputs_get_friendly_messages(tiny):
         on_batch(None, None, None, None, None, None)
 
 
+MARKUP = "<img src=x onerror=alert(1)>"  # in a message rendered as HTML, an image whose error handler runs
+ESCAPED = "&lt;img src=x onerror=alert(1)&gt;"
+
+
+def test_messages_shown_in_the_page_escape_html():
+    assert app.as_page_text(f"got {MARKUP!r} & more") == f"got &#x27;{ESCAPED}&#x27; &amp; more"
+    assert app.as_page_text(app.InputError("a <b>bold</b> claim")) == "a &lt;b&gt;bold&lt;/b&gt; claim"
+
+
+def test_error_toasts_built_from_user_input_show_html_as_text(tiny):
+    model, tokenizer = tiny
+    demo = app.build_app(model, tokenizer, pools=app.SharedPools(model, 16, block_sizes=(16,)), model_name="tiny")
+    handlers = {f.name: f.fn for f in demo.fns.values()}
+    for name, call in (
+        ("Hub id", lambda: handlers["on_plan"](MARKUP, 4, "100", 8, "float32", 16, "1GiB")),
+        ("max memory", lambda: handlers["on_plan"]("", 4, "100", 8, "float32", 16, MARKUP)),
+        ("prompt lengths", lambda: handlers["on_plan"]("", 4, MARKUP, 8, "float32", 16, "1GiB")),
+        ("batch max_new_tokens", lambda: handlers["on_batch"]("Hi!", None, MARKUP, 16, 8, True)),
+        ("chat max_new_tokens", lambda: handlers["on_chat"]("Hi!", [], [], None, MARKUP)),
+    ):
+        with pytest.raises(app.gr.Error) as error:
+            call()
+        assert ESCAPED in error.value.message and "<img" not in error.value.message, name
+
+
 CHATS = ("Hello, how are you today?", "What is a KV cache?")
 BATCHES = (BATCH, "Name a colour.\nName a fruit, then a vegetable, then a tree.\nName a planet.")
 
@@ -623,4 +648,11 @@ def test_browser_plan_tab(browser, served):
     page.locator("#run-plan").click()
     page.get_by_text("local paths are not read").first.wait_for()
     assert "Traceback" not in page.content()
+    # markup in an input comes back in the error toast as text, not as an element
+    page.locator("#plan-hub-id textarea, #plan-hub-id input").first.fill(MARKUP)
+    page.locator("#run-plan").click()
+    toast = page.locator("[data-testid='toast-text']", has_text="onerror").first
+    toast.wait_for(timeout=20_000)
+    assert MARKUP in toast.inner_text()
+    assert page.locator("[data-testid='toast-text'] img").count() == 0
     page.close()

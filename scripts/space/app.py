@@ -575,6 +575,13 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def as_page_text(message: object) -> str:
+    """`message` (text or an exception) made safe to show in the page: Gradio renders toasts (`gr.Error`,
+    `gr.Warning`, `gr.Info`) and Markdown as HTML, and messages quote user input and exceptions, so ``<``,
+    ``>``, ``&`` and quotes are escaped and read as the characters they are."""
+    return html.escape(str(message))
+
+
 def pool_full_message(error: PoolFullError | PoolExhaustedError) -> str:
     """What a user sees when the shared pool cannot hold their request."""
     if isinstance(error, PoolFullError):
@@ -805,9 +812,9 @@ def build_app(
                                max_new_tokens=max_new_tokens, block_size=block_size, block_budget=block_budget,
                                share_prefix=bool(share_prefix), on_wait=show_waiting)
         except InputError as error:
-            raise gr.Error(str(error)) from None
+            raise gr.Error(as_page_text(error)) from None
         except (PoolFullError, PoolExhaustedError) as error:
-            message = pool_full_message(error)
+            message = as_page_text(pool_full_message(error))
             gr.Warning(message)
             return f"**Pool full.** {message}", "", None, None, ""
         pool = pools.pool(result.snapshot.block_size)
@@ -827,9 +834,9 @@ def build_app(
             turn = run_chat_turn(model, tokenizer, chat_line, history, message, system_prompt=system_prompt,
                                  max_new_tokens=max_new_tokens, on_wait=show_waiting)
         except InputError as error:
-            raise gr.Error(str(error)) from None
+            raise gr.Error(as_page_text(error)) from None
         except (PoolFullError, PoolExhaustedError) as error:
-            gr.Warning(pool_full_message(error))
+            gr.Warning(as_page_text(pool_full_message(error)))
             return history, turns, message or "", chat_stats_markdown(turns, chat_pool.block_size), history
         history = [*history, {"role": "user", "content": str(message).strip()},
                    {"role": "assistant", "content": turn.answer}]
@@ -837,7 +844,7 @@ def build_app(
         return history, turns, "", chat_stats_markdown(turns, chat_pool.block_size), history
 
     def show_waiting(message: str) -> None:
-        gr.Info(message, duration=MAX_WAIT_S, title="Waiting for KV blocks")
+        gr.Info(as_page_text(message), duration=MAX_WAIT_S, title="Waiting for KV blocks")
 
     def on_clear() -> tuple[list[dict[str, str]], list[ChatTurn], str, list[dict[str, str]]]:
         return [], [], chat_stats_markdown([], chat_pool.block_size), []
@@ -848,7 +855,7 @@ def build_app(
             return run_plan(model, model_name, hub_id=hub_id, batch_size=batch_size, prompt_lengths=prompt_lengths,
                             new_tokens=new_tokens, dtype=dtype, block_size=block_size, max_memory=max_memory)
         except InputError as error:
-            raise gr.Error(str(error)) from None
+            raise gr.Error(as_page_text(error)) from None
 
     with gr.Blocks(title="hf_paged_cache: a paged KV cache for transformers") as demo:
         gr.Markdown(
