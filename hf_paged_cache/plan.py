@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import operator
 import struct
 from collections.abc import Sequence
@@ -122,7 +123,7 @@ class MemoryPlan:
     weights: WeightEstimate
     max_memory: int | None
     paged_pool: PoolFit | None  # the fixed pool's fit per layer group (given num_blocks or max_memory)
-    rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit (beside the weights)
+    rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit (Dynamic/Static: max_memory)
     assumptions: tuple[str, ...]
 
     @property
@@ -295,7 +296,7 @@ def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> li
     list is built)."""
     if batch_size is not None:
         batch_size = bounded_count("batch_size", batch_size, 1, MAX_ROWS)
-    if isinstance(prompt_lens, int):
+    if isinstance(prompt_lens, numbers.Integral):
         lens = [prompt_lens] * (DEFAULT_BATCH if batch_size is None else batch_size)
     else:
         if len(prompt_lens) > MAX_ROWS:
@@ -305,10 +306,7 @@ def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> li
             raise ValueError(f"batch_size={batch_size} but {len(lens)} prompt lengths were given")
     if not lens:
         raise ValueError("need at least one prompt length")
-    for row, length in enumerate(lens, start=1):
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS:
-            raise ValueError(f"prompt lengths must be from 1 to {MAX_TOKENS:,} tokens; row {row} has {length!r}")
-    return lens
+    return [bounded_count(f"prompt lengths (row {row})", length, 1, MAX_TOKENS) for row, length in enumerate(lens, 1)]
 
 
 def _assumptions(

@@ -250,6 +250,9 @@ def test_bad_inputs_are_refused():
     ):
         with pytest.raises(ValueError, match=message):
             plan_memory(config, weight_bytes=0, **kwargs)
+    numpy = pytest.importorskip("numpy")
+    lengths = plan_memory(config, prompt_lens=numpy.array([5, 6]), new_tokens=numpy.int64(2), weight_bytes=0)
+    assert lengths.prompt_lens == (5, 6) and type(lengths.prompt_lens[0]) is int  # numpy integers are counts too
 
 
 def test_cli_prints_the_table_and_json(capsys):
@@ -290,7 +293,7 @@ def test_cli_bad_input_is_one_error_line_and_status_2(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--prompt-len", "-5"], "prompt lengths must be from 1 to 16,777,216 tokens; row 1 has -5"),
+    (["--prompt-len", "-5"], "prompt lengths (row 1) must be from 1 to 16,777,216; got -5"),
     (["--prompt-len", "12,x"], "expected a length or comma-separated lengths"),
     (["--new-tokens", "-1"], "new_tokens must be from 0 to 16,777,216; got -1"),
     (["--batch", "0"], "batch_size must be from 1 to 65,536; got 0"),
