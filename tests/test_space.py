@@ -130,7 +130,7 @@ def test_sharing_the_prefix_keeps_the_answers_of_a_small_sliding_window():
     kwargs = dict(system_prompt=system, max_new_tokens=8, block_size=8, block_budget=63)
     shared = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
     private = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
-    assert shared.shared_tokens >= 64 > 12  # the shared prefix is several windows long
+    assert shared.shared_tokens >= 64  # the shared prefix is several windows (12 tokens) long
     assert len(set(shared.prompt_lengths)) == 3  # a ragged batch: the shorter rows are padded
     expected = _generate_each_row(model, tokenizer, system, BATCH, max_new_tokens=8)
     assert private.outputs == expected
