@@ -761,7 +761,7 @@ def run_plan(
         try:
             config = load_config(hub_id)  # the raw config.json is checked against CONFIG_LIMITS first
         except ValueError as error:
-            raise InputError(f"Could not plan {hub_id!r}: {error}.") from None
+            raise InputError(f"Could not plan {hub_id!r}: {str(error).rstrip('.')}.") from None
         weights, name = None, hub_id
     else:
         config, name = model.config, model_name or model.config.model_type
