@@ -140,8 +140,6 @@ class Request:
     ):
         kwargs = dict(generation_kwargs)
         extras = {name: kwargs.pop(name) for name in REQUEST_ARGUMENTS if name in kwargs}
-        if "generation_config" in extras:
-            kwargs["generation_config"] = extras.pop("generation_config")
         config = generation_config_for(model, kwargs)
         if config.max_new_tokens is not None:
             config.max_length = len(prompt) + config.max_new_tokens  # what generate does with max_new_tokens

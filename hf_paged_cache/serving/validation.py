@@ -19,8 +19,9 @@ from transformers.generation.configuration_utils import GenerationMode
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
-REQUEST_ARGUMENTS = ("seed", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "generation_config")
-"""`submit` arguments that are not `GenerationConfig` fields (all but ``seed`` as `generate` takes them)."""
+REQUEST_ARGUMENTS = ("seed", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
+"""`submit` arguments that are neither `GenerationConfig` fields nor ``generation_config`` (which
+`generation_config_for` takes); all but ``seed`` as `generate` takes them."""
 
 UNSUPPORTED_ARGUMENTS = {
     "assistant_model": "assisted decoding needs a draft model beside each request",
@@ -56,7 +57,8 @@ DEFAULTS_ONLY = {
 
 def generation_config_for(model: PreTrainedModel, kwargs: dict[str, Any]) -> GenerationConfig:
     """The request's `GenerationConfig`, resolved as `generate` resolves it (its arguments, then the model's
-    generation config, then transformers' defaults). `kwargs` holds the `GenerationConfig` fields only.
+    generation config, then transformers' defaults). `kwargs` holds `GenerationConfig` fields and, optionally,
+    a ``generation_config`` to start from.
 
     Raises `ValueError` for an argument or decoding mode the batcher cannot run, `TypeError` for an unknown one.
     """
