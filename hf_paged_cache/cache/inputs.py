@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -28,7 +28,6 @@ _ROOT_ATTRIBUTE = "_hf_paged_cache_prefix_root"  # the model's prefix-key root, 
 _INSTALL_LOCK = threading.Lock()  # makes the two set-once attributes above race-free across threads
 
 
-@runtime_checkable
 class InputObserver(Protocol):
     def observe_inputs(
         self,
@@ -127,10 +126,14 @@ def prefix_root(model: PreTrainedModel) -> bytes:
 
 
 def _observer(names: list[str], args: tuple, kwargs: dict) -> tuple[InputObserver | None, dict]:
-    """The cache a forward was given, if it observes inputs, and the forward's arguments by name."""
-    bound = dict(zip(names, args)) | kwargs
+    """The cache a forward was given, if it observes inputs, and the forward's arguments by name.
+
+    Checked by its method rather than ``isinstance`` against the protocol, which costs tens of microseconds
+    a call (it inspects every member), twice a forward.
+    """
+    bound = dict(zip(names, args)) | kwargs if args else kwargs
     target = bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")
-    return (target if isinstance(target, InputObserver) else None), bound
+    return (target if callable(getattr(target, "forward_ended", None)) else None), bound
 
 
 def _input_hook(names: list[str]):
