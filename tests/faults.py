@@ -27,8 +27,9 @@ class Injected(Exception):
 class Fault:
     """A hook that raises `Injected`, at most `times` times (None: always); `fired` counts its raises."""
 
-    def __init__(self, times: int | None = None):
+    def __init__(self, times: int | None = None, error=None):
         self.times = times
+        self.error = error  # builds the exception to raise (default: Injected)
         self.fired = 0
         self._lock = threading.Lock()
         self.handle = None
@@ -42,7 +43,7 @@ class Fault:
     def _raise(self, where: str) -> None:
         with self._lock:
             self.fired += 1
-        raise Injected(f"injected {where}")
+        raise self.error() if self.error is not None else Injected(f"injected {where}")
 
 
 def poison(model: torch.nn.Module, token: int) -> Fault:
@@ -58,9 +59,10 @@ def poison(model: torch.nn.Module, token: int) -> Fault:
     return fault
 
 
-def fail_next(module: torch.nn.Module, times: int | None = 1, after: bool = True) -> Fault:
-    """The next `times` forwards through `module` raise (None: every one), after it runs or before."""
-    fault = Fault(times)
+def fail_next(module: torch.nn.Module, times: int | None = 1, after: bool = True, error=None) -> Fault:
+    """The next `times` forwards through `module` raise (None: every one), after it runs or before; `error()`
+    builds the exception (default: `Injected`)."""
+    fault = Fault(times, error)
 
     def hook(*args):
         if fault.armed():

@@ -1,10 +1,11 @@
 """ContinuousBatcher: many requests on one pool give what each would get from generate() alone."""
 
 import threading
+import time
 
 import pytest
 import torch
-from faults import Injected, poison
+from faults import Injected, fail_next, poison
 from tiny_models import VOCAB, tiny_model
 from transformers import DynamicCache
 
@@ -31,6 +32,13 @@ def alone(model, prompt: list[int], **kwargs) -> list[int]:
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
                          **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def wait_until(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
 
 
 def assert_pool_empty(batcher):
@@ -114,6 +122,32 @@ def test_a_request_longer_than_the_pool_still_runs_until_it_stops():
     expected = alone(model, prompt, max_new_tokens=6, eos_token_id=eos)
     with ContinuousBatcher(model, block_size=4, num_blocks=16) as batcher:
         assert batcher.generate([prompt], max_new_tokens=200, eos_token_id=eos) == [expected]  # 60 tokens fit
+    assert_pool_empty(batcher)
+
+
+@pytest.mark.parametrize("where", ["prompt chunk", "decode"])
+def test_running_out_of_blocks_while_alone_is_not_taken_for_a_request_too_big(where):
+    """The pool runs out once for a request alone in the batcher (as when other caches on the pool, or rows
+    that finish in that very step, hold the blocks): it is computed again when there is room, not failed.
+    Before this change it failed with PoolExhaustedError, although it fits the pool (the long fuzz run found
+    a prompt failed so, after the running rows that held the blocks finished in the same step)."""
+    model = tiny_model("llama")
+    prompt = list(range(3, 3 + 19))
+    module = model.model.layers[0]
+    exhausted = lambda: PoolExhaustedError(2, 0, 10, 4)  # noqa: E731 (what a step that found no room raises)
+    with ContinuousBatcher(model, block_size=4, num_blocks=11, reserve_new_tokens=False) as batcher:
+        fault = fail_next(module, times=1 if where == "prompt chunk" else 0, after=False, error=exhausted)
+        handle = batcher.submit(prompt, max_new_tokens=6)
+        if where == "decode":
+            wait_until(lambda: len(handle._output) >= 2)
+            fault.times = 1
+        assert handle.result(timeout=60) == alone(model, prompt, max_new_tokens=6)
+        assert fault.fired == 1
+        stats = batcher.stats()
+        assert stats.failed == 0
+        # the prompt went back to the queue; the decode row just ran at the next step, the pool having room
+        assert (stats.prefill_retries, stats.preemptions) == ((1, 0) if where == "prompt chunk" else (0, 0))
+    fault.remove()
     assert_pool_empty(batcher)
 
 

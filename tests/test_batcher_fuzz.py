@@ -187,21 +187,21 @@ def run_case(model_type: str, seed: int) -> dict:
     for spec in specs:
         if spec.kind == "poison_prompt":
             spec.prompt.insert(rng.randrange(len(spec.prompt) + 1), bad)
-    hooks = [poison(model, bad)] if bad is not None else []
-    layers = model.model.layers if model_type != "gpt2" else model.transformer.h
-    norm = model.model.norm if model_type != "gpt2" else model.transformer.ln_f
-    transient = [fail_next(module, times=0, after=after) for module, after in (
-        (layers[0], False), (layers[-1], True), (norm, True), (model.get_output_embeddings(), True),
-    )]
     outcomes: dict[int, tuple] = {}
     steps = [0]
     with ContinuousBatcher(model, **batcher_kwargs) as batcher:
-        with torch.no_grad():  # create every layer's storage, then poison it
+        with torch.no_grad():  # create every layer's storage, then fill it with NaN
             model(input_ids=torch.tensor([[5]]), cache=batcher.running_cache)
         batcher.running_cache.settle()
         nan_blocks = NaNBlocks(batcher.pool)
         for group in range(len(batcher.pool.groups)):
             nan_blocks.fill(group, range(1, batcher.pool.groups[group].num_blocks))
+        hooks = [poison(model, bad)] if bad is not None else []  # after that forward: 5 may be the poison
+        layers = model.model.layers if model_type != "gpt2" else model.transformer.h
+        norm = model.model.norm if model_type != "gpt2" else model.transformer.ln_f
+        transient = [fail_next(module, times=0, after=after) for module, after in (
+            (layers[0], False), (layers[-1], True), (norm, True), (model.get_output_embeddings(), True),
+        )]
         apply = batcher._scheduler.apply
 
         def checked_apply(plan, result):

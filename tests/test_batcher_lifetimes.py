@@ -7,17 +7,10 @@ import time
 
 import pytest
 import torch
-from test_batcher import alone, assert_pool_empty, requests
+from test_batcher import alone, assert_pool_empty, requests, wait_until
 from tiny_models import tiny_model
 
 from hf_paged_cache import ContinuousBatcher, KVPool, PagedCache, QueueFullError, RequestCancelled
-
-
-def wait_until(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
 
 
 def test_cancel_mid_stream_ends_the_handle_and_gives_the_blocks_back():

@@ -19,8 +19,9 @@ blocks), the newest prefilling request gives its blocks back, or, when none is p
 running request is preempted: its blocks are freed and it waits at the front of the queue, to be computed
 again (prompt and tokens so far) when blocks free up, so its output is what it would have been. Decode rows
 run before prompt chunks, and a prompt chunk that finds no blocks sends its request back to the front of
-the queue the same way: a prompt never starves a running request. A request that cannot fit the pool even
-alone fails on its own handle with `PoolExhaustedError`.
+the queue the same way: a prompt never starves a running request. A request that can never fit fails on
+its own handle with `PoolExhaustedError`: a prompt larger than the pool at admission, or a request running
+alone whose own blocks fill a layer group.
 
 Only the loop's thread calls the scheduler. Other threads read `counts`, replaced whole after each step.
 """
@@ -159,11 +160,10 @@ class Scheduler:
         if not (request in result.failures or request in result.exhausted or request in result.choices):
             return  # did not run this step
         self.prefilling.remove(prefill)
-        alone = not (self.prefilling or self.running)
-        if request in result.failures or (request in result.exhausted and alone):
+        if request in result.failures:
             prefill.cache.release()
-            self._finish(request, result.failures.get(request) or result.exhausted[request])  # alone: never fits
-        elif request in result.exhausted:
+            self._finish(request, result.failures[request])
+        elif request in result.exhausted:  # others held the blocks (admission refuses a prompt the pool can't hold)
             prefill.cache.release()  # its full blocks stay findable by prefix: they are reused when it starts again
             self._requeue(request, "prefill_retries")
         else:
@@ -246,8 +246,9 @@ class Scheduler:
     def _make_room(self, error: PoolExhaustedError) -> None:
         """The decode rows found no blocks: free the newest prefilling request's blocks (a prompt never starves a
         running row), else the newest running request's, and queue it first, to be computed again later. A
-        request running alone can never fit: it fails with `error`. When the step itself gave back enough
-        blocks (a request finished), nothing is preempted: the rows run at the next step."""
+        request running alone whose own blocks fill a layer group can never grow: it fails with `error`. When
+        the step itself gave back enough blocks (a request finished), nothing is preempted: the rows run at
+        the next step."""
         if all(blocks.can_allocate(len(self.running)) for blocks in self.pool.groups):
             return  # one block per row is the most a decode step takes (a new block, or a copy of a shared one)
         if self.prefilling:
@@ -255,11 +256,18 @@ class Scheduler:
             prefill.cache.release()  # its full blocks stay findable by prefix
             self._requeue(prefill.request, "prefill_retries")
             return
-        if len(self.running) == 1:
+        if len(self.running) == 1 and self._fills_a_group(self.running_cache):
             self._finish(self.running[0], error)
         else:
             self._requeue(self.running[-1], "preemptions")
         self._drop_rows([len(self.running) - 1])
+
+    def _fills_a_group(self, cache: PagedCache) -> bool:
+        """Whether `cache`'s own blocks are all a fixed layer group holds (nothing anyone frees would help)."""
+        return any(
+            blocks.max_blocks is not None and len(tables.unique_blocks()) >= blocks.capacity
+            for tables, blocks in zip(cache.batch.groups, self.pool.groups)
+        )
 
     def _requeue(self, request: Request, counter: str) -> None:
         """Queue a started request first again (its blocks are freed by the caller)."""
