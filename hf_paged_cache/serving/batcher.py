@@ -138,27 +138,37 @@ class ContinuousBatcher:
 
         `generation_kwargs` are `GenerationConfig` fields (``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
-        ``eos_token_id``, ``stop_strings``, ...), ``seed`` for sampling, and as for ``generate``
-        ``generation_config``, ``logits_processor``, ``stopping_criteria`` and ``prefix_allowed_tokens_fn``.
-        Every argument is checked here (`hf_paged_cache.serving.validation`): `ValueError` names one that
+        ``eos_token_id``, ``stop_strings``, ...), ``seed`` for sampling, ``logprobs=k`` and
+        ``prompt_logprobs=k`` (0 to 20: record the log-probability of each new, or prompt, token with the
+        `k` most likely; read them from the handle), and as for ``generate`` ``generation_config``,
+        ``logits_processor``, ``stopping_criteria`` and ``prefix_allowed_tokens_fn``. Every argument is checked here (`hf_paged_cache.serving.validation`): `ValueError` names one that
         would fail later or that the batcher cannot honour (beam search, ``num_return_sequences``,
         ``assistant_model``, ``output_scores``, ...), `TypeError` an unknown one. `QueueFullError` past
         `max_waiting`, `RuntimeError` once closed.
         """
-        prompt = _token_list(input_ids)
-        request = Request(
-            next(self._ids), prompt, self.model, generation_kwargs,
-            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake,
-        )
-        self._inbox.put(request)
-        with self._start:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(
-                    target=_serve, args=(self._inbox, self._scheduler, self._executor, self._listeners),
-                    name="ContinuousBatcher", daemon=True,
-                )
-                self._thread.start()
+        request = self._request(_token_list(input_ids), generation_kwargs)
+        self._enqueue(request)
         return request.handle
+
+    def submit_group(self, input_ids: Sequence[int] | torch.Tensor, n: int, **generation_kwargs: Any) -> list[RequestHandle]:
+        """Queue `n` choices of one prompt (OpenAI's ``n``); returns their handles at once, in order.
+
+        The prompt is prefilled once: each choice picks its first token from the same logits, then decodes in
+        a row of its own that shares the prompt's blocks (copy-on-write). Arguments as for `submit`; with
+        ``seed=s``, choice ``i`` samples with seed ``s + i``. The group takes one place in ``max_waiting``.
+        """
+        prompt = _token_list(input_ids)
+        count = as_count("n", n, 1)
+        seed = generation_kwargs.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        requests = [
+            self._request(prompt, generation_kwargs if seed is None else {**generation_kwargs, "seed": seed + i})
+            for i in range(count)
+        ]
+        requests[0].followers = requests[1:]
+        self._enqueue(requests[0])
+        return [request.handle for request in requests]
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], **generation_kwargs: Any) -> list[list[int]]:
         """Generate for every prompt; each result is the list of new token ids, in the order of `prompts`."""
@@ -198,6 +208,24 @@ class ContinuousBatcher:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _request(self, prompt: list[int], generation_kwargs: dict[str, Any]) -> Request:
+        """A checked request (`ValueError` / `TypeError` for a bad argument), not yet queued."""
+        return Request(
+            next(self._ids), prompt, self.model, generation_kwargs,
+            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake,
+        )
+
+    def _enqueue(self, request: Request) -> None:
+        """Hand `request` (and its followers) to the loop, starting the loop on first use."""
+        self._inbox.put(request)
+        with self._start:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=_serve, args=(self._inbox, self._scheduler, self._executor, self._listeners),
+                    name="ContinuousBatcher", daemon=True,
+                )
+                self._thread.start()
 
     # ------------------------------------------------------------------ read by tests and benchmarks
 

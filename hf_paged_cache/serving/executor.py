@@ -31,6 +31,7 @@ from ..attention import ATTENTION_NAME
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from .packed import PackingUnsupported, Segment, packed_forward
+from .logprobs import token_logprobs
 from .request import Request
 from .steps import Chunk, StepPlan, StepResult
 
@@ -68,7 +69,7 @@ class StepExecutor:
     # ------------------------------------------------------------------ packed
 
     def _run_packed(self, plan: StepPlan, result: StepResult) -> None:
-        segments, logits_at = [], []
+        segments, logits_at, chunk_rows = [], [], []
         if plan.running:
             segments.append(Segment(plan.running_cache, *self._decode_inputs(plan.running_cache, plan.running)))
             logits_at += range(len(plan.running))
@@ -76,15 +77,16 @@ class StepExecutor:
         for chunk in plan.chunks:
             positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens)).unsqueeze(0)  # [1, c]
             segments.append(Segment(chunk.cache, torch.tensor([chunk.tokens]), positions))
+            wanted = _logit_offsets(chunk)
+            chunk_rows.append(slice(len(logits_at), len(logits_at) + len(wanted)))
+            logits_at += [end + offset for offset in wanted]
             end += len(chunk.tokens)
-            if chunk.finishes:
-                logits_at.append(end - 1)
-        logits = packed_forward(self.model, segments, logits_at)  # [picks, vocab]; every cache pending
+        logits = packed_forward(self.model, segments, logits_at)  # [len(logits_at), vocab]; every cache pending
         try:
-            picks = [*plan.running, *(chunk.request for chunk in plan.chunks if chunk.finishes)]
-            for request, row_logits in zip(picks, logits, strict=True):
+            for request, row_logits in zip(plan.running, logits[: len(plan.running)], strict=True):
                 self._choose(request, row_logits, result)
-            result.kept.update(chunk.request for chunk in plan.chunks if not chunk.finishes)
+            for chunk, rows in zip(plan.chunks, chunk_rows):
+                self._chunk_done(chunk, logits[rows], result)
         except BaseException:
             for segment in segments:
                 segment.cache.settle()
@@ -105,12 +107,27 @@ class StepExecutor:
         except Exception as error:  # noqa: BLE001 (failed twice alone: the request's own failure)
             result.failures[chunk.request] = error
             return True
-        if chunk.finishes:
-            self._choose(chunk.request, logits, result)
-        else:
-            result.kept.add(chunk.request)
+        try:
+            self._chunk_done(chunk, logits, result)
+        except BaseException:
+            chunk.cache.settle()
+            raise
         chunk.cache.commit()
         return True
+
+    def _chunk_done(self, chunk: Chunk, logits: torch.Tensor, result: StepResult) -> None:
+        """What a computed chunk gives, from its logits ``[r, V]`` at `_logit_offsets`: its prompt's
+        log-probabilities when asked for, then the first token of each choice of the prompt when it finishes."""
+        request = chunk.request
+        if request.needs_prompt_logprobs:
+            first, targets = request.prompt_targets(chunk.start, len(chunk.tokens))
+            computed = token_logprobs(logits[: len(targets)], targets, request.prompt_logprobs_k)
+            result.prompt_logprobs[request] = (first, computed)
+        if chunk.finishes:
+            for member in request.group:  # the choices of one prompt pick from the same logits
+                self._choose(member, logits[-1], result)
+        else:
+            result.kept.add(request)
 
     def _run_decode(self, plan: StepPlan, result: StepResult) -> None:
         """Every running request's next token in one forward; failures isolated as the module docstring says."""
@@ -169,14 +186,15 @@ class StepExecutor:
             probe.settle()
 
     def _chunk_forward(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's forward on its request's cache (left pending); the last position's logits ``[V]``."""
+        """The chunk's forward on its request's cache (left pending); its logits ``[r, V]``: every position's
+        when the prompt's log-probabilities are asked for, else the last position's."""
         device = self.model.device
         out = self.model(
             input_ids=torch.tensor([chunk.tokens], device=device),
             position_ids=torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device).unsqueeze(0),
-            cache=chunk.cache, use_cache=True, logits_to_keep=1,
+            cache=chunk.cache, use_cache=True, logits_to_keep=0 if chunk.request.needs_prompt_logprobs else 1,
         )
-        return out.logits[0, -1]
+        return out.logits[0]
 
     def _decode_forward(self, cache: PagedCache, requests: list[Request]) -> torch.Tensor:
         """One new token for each row of `cache` (left pending); their logits ``[B, V]``."""
@@ -199,6 +217,14 @@ class StepExecutor:
             result.choices[request] = _attempts(lambda: request.pick(logits))
         except Exception as error:  # noqa: BLE001 (its own settings or processors: it fails alone)
             result.failures[request] = error
+
+
+def _logit_offsets(chunk: Chunk) -> list[int]:
+    """Positions of `chunk` (from 0) whose logits its step needs: all of them for the prompt's log-probabilities,
+    else the last one when the chunk finishes the prompt, else none."""
+    if chunk.request.needs_prompt_logprobs:
+        return list(range(len(chunk.tokens)))
+    return [len(chunk.tokens) - 1] if chunk.finishes else []
 
 
 def _attempts(run: Callable[[], T]) -> T:

@@ -7,6 +7,11 @@ sampled request gives the same tokens whatever else runs beside it.
 
 Picking a token (`Request.pick`) changes nothing but the generator, and puts that back when it raises: the
 token joins the request (`Request.accept`) only once the step that computed it is kept for every request.
+
+A request can also record log-probabilities (``logprobs=k``: each new token's, with the `k` most likely;
+``prompt_logprobs=k``: the same for each prompt token after the first), and be one of a group of choices of
+one prompt (`ContinuousBatcher.submit_group`): the first member, the leader, prefills the prompt once, and the
+others (its followers) pick their first tokens from the same logits and share its blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from ..errors import RequestCancelled
+from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .validation import REQUEST_ARGUMENTS, check_request, generation_config_for
 
 
@@ -36,6 +42,9 @@ class RequestHandle:
         self.request_id = request_id
         self._changed = threading.Condition()  # guards the fields below; notified on each token and at the end
         self._output: list[int] = []
+        self._logprobs: list[TokenLogprob] = []  # one per token of _output, when the request records them
+        self._prompt_logprobs: list[TokenLogprob] | None = None  # set with the first token, when recorded
+        self._finish_reason: str | None = None
         self._finished = False
         self._error: BaseException | None = None
         self._cancel_requested = False
@@ -75,6 +84,26 @@ class RequestHandle:
         with self._changed:
             return self._finished
 
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each token's log-probability so far (``submit(..., logprobs=k)``; empty otherwise), in token order."""
+        with self._changed:
+            return list(self._logprobs)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's tokens after the first, with their log-probabilities (``submit(..., prompt_logprobs=k)``);
+        None until the first new token comes, or when not asked for."""
+        with self._changed:
+            return None if self._prompt_logprobs is None else list(self._prompt_logprobs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"length"`` when it reached ``max_new_tokens`` (or ``max_length``), ``"stop"`` when a stopping
+        criterion (EOS, a stop string, ...) ended it first; None until it finishes, or when it failed."""
+        with self._changed:
+            return self._finish_reason
+
     def cancel(self) -> None:
         """Ask the batcher to drop this request at its next step boundary; its blocks then go back.
 
@@ -94,14 +123,19 @@ class RequestHandle:
 
     # ------------------------------------------------------------------ called by the batcher's loop
 
-    def _emit(self, token: int) -> None:
+    def _emit(
+        self, token: int, logprob: TokenLogprob | None = None, prompt_logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         with self._changed:
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
+                self._prompt_logprobs = prompt_logprobs
             self._output.append(token)
+            if logprob is not None:
+                self._logprobs.append(logprob)
             self._changed.notify_all()
 
-    def _finish(self, error: BaseException | None = None) -> None:
+    def _finish(self, error: BaseException | None = None, reason: str | None = None) -> None:
         with self._changed:
             if self._finished:
                 return
@@ -109,6 +143,7 @@ class RequestHandle:
                 error = RequestCancelled(f"request {self.request_id} was cancelled")
             self.finish_time = time.perf_counter()
             self._error, self._finished = error, True
+            self._finish_reason = reason if error is None else None
             self._changed.notify_all()
 
 
@@ -118,6 +153,7 @@ class Choice:
 
     token: int
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request records log-probabilities
 
 
 class Request:
@@ -140,6 +176,8 @@ class Request:
     ):
         kwargs = dict(generation_kwargs)
         extras = {name: kwargs.pop(name) for name in REQUEST_ARGUMENTS if name in kwargs}
+        self.logprobs = check_logprobs("logprobs", extras.get("logprobs"))
+        self.prompt_logprobs_k = check_logprobs("prompt_logprobs", extras.get("prompt_logprobs"))
         config = generation_config_for(model, kwargs)
         if config.max_new_tokens is not None:
             config.max_length = len(prompt) + config.max_new_tokens  # what generate does with max_new_tokens
@@ -163,7 +201,27 @@ class Request:
         else:
             self.generator.seed()  # a fresh random seed, leaving torch's global generator alone
         self.generated: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1, 2, ... as far as computed
+        self.followers: list[Request] = []  # the other choices of its prompt, until they start decoding
         self.handle = RequestHandle(request_id, on_cancel)
+
+    @property
+    def group(self) -> list[Request]:
+        """This request and its followers: the choices its prefill serves."""
+        return [self, *self.followers]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log-probabilities are asked for and not all computed yet."""
+        return self.prompt_logprobs_k is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
+
+    @property
+    def finish_reason(self) -> str:
+        """Why it stopped: ``"length"`` at its longest (unless its last token is an EOS), else ``"stop"``."""
+        eos = self.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        at_longest = len(self.tokens) >= self.max_length
+        return "length" if at_longest and not (self.generated and self.generated[-1] in eos_ids) else "stop"
 
     @property
     def max_length(self) -> int:
@@ -197,7 +255,8 @@ class Request:
             else:
                 token = int(scores.argmax(dim=-1))
             full = torch.tensor([[*tokens, token]], device=logits.device)  # [1, n + 1]
-            return Choice(token, bool(self.criteria(full, scores).any()))
+            logprob = None if self.logprobs is None else token_logprobs(logits.unsqueeze(0), [token], self.logprobs)[0]
+            return Choice(token, bool(self.criteria(full, scores).any()), logprob)
         except BaseException:
             if state is not None:
                 self.generator.set_state(state)
@@ -206,4 +265,18 @@ class Request:
     def accept(self, choice: Choice) -> None:
         """Add a picked token to the request and stream it to its handle (once its step is kept)."""
         self.generated.append(choice.token)
-        self.handle._emit(choice.token)
+        prompt = list(self.prompt_logprobs) if self.prompt_logprobs_k is not None else None
+        self.handle._emit(choice.token, choice.logprob, prompt)
+
+    def add_prompt_logprobs(self, computed: Sequence[TokenLogprob], first: int) -> None:
+        """Record the log-probabilities of prompt tokens ``first, first + 1, ...`` (those not recorded yet)."""
+        have = len(self.prompt_logprobs) + 1  # the index of the next prompt token without one
+        if first > have:
+            raise RuntimeError(f"request {self.id}: prompt log-probabilities from token {first}, but {have} is missing")
+        self.prompt_logprobs.extend(computed[have - first :])
+
+    def prompt_targets(self, start: int, length: int) -> tuple[int, list[int]]:
+        """For a chunk of `length` tokens from `start`: the first prompt index whose log-probability its logits
+        give (position ``p`` predicts token ``p + 1``) and those prompt tokens (none past the prompt)."""
+        first = start + 1
+        return first, self.prompt[first : min(start + length + 1, len(self.prompt))]

@@ -23,6 +23,13 @@ the queue the same way: a prompt never starves a running request. A request that
 its own handle with `PoolExhaustedError`: a prompt larger than the pool at admission, or a request running
 alone whose own blocks fill a layer group.
 
+The choices of one prompt (`ContinuousBatcher.submit_group`) wait, prefill and are admitted together, as
+their leader with its followers: the prompt is computed once, each choice picks its first token from its
+last logits, and each joins the running batch in a row that shares the prompt's blocks (copy-on-write); from
+then on each is a request of its own. Cancelling a choice leaves the others as they are: a follower takes the
+lead when the leader goes. A prompt whose log-probabilities are asked for is computed whole, never taken from
+the prefix cache (cached blocks hold keys and values, not logits).
+
 Only the loop's thread calls the scheduler. Other threads read `counts`, replaced whole after each step.
 """
 
@@ -103,14 +110,22 @@ class Scheduler:
     def take_new(self) -> None:
         """Queue what was submitted since the last step, and let cancelled requests leave."""
         self.waiting.extend(self.inbox.take())
-        for request in [r for r in self.waiting if r.handle.cancel_requested]:
-            self.waiting.remove(request)
-            self._left_queue(request)
-            self._cancel(request)
-        for prefill in [p for p in self.prefilling if p.request.handle.cancel_requested]:
-            self.prefilling.remove(prefill)
-            prefill.cache.release()  # its full blocks stay findable by prefix
-            self._cancel(prefill.request)
+        waiting = deque()
+        for request in self.waiting:
+            leader = self._without_cancelled(request)
+            if leader is None:
+                self._left_queue(request)
+                continue
+            if leader is not request and request in self._requeued:
+                self._requeued.discard(request)
+                self._requeued.add(leader)
+            waiting.append(leader)
+        self.waiting = waiting
+        for prefill in list(self.prefilling):
+            prefill.request = self._without_cancelled(prefill.request)
+            if prefill.request is None:
+                self.prefilling.remove(prefill)
+                prefill.cache.release()  # its full blocks stay findable by prefix
         rows = [row for row, request in enumerate(self.running) if request.handle.cancel_requested]
         for row in rows:
             self._cancel(self.running[row])
@@ -154,32 +169,56 @@ class Scheduler:
     def _apply_chunk(self, chunk: Chunk, result: StepResult) -> None:
         request = chunk.request
         prefill = next(p for p in self.prefilling if p.request is request)
+        members = request.group
+        picked = [member for member in members if member in result.choices]
         if request in result.kept:
+            self._record_prompt_logprobs(request, result)
             prefill.done += len(chunk.tokens)
             return
-        if not (request in result.failures or request in result.exhausted or request in result.choices):
+        if not (picked or request in result.failures or request in result.exhausted):
             return  # did not run this step
         self.prefilling.remove(prefill)
-        if request in result.failures:
-            prefill.cache.release()
-            self._finish(request, result.failures[request])
-        elif request in result.exhausted:  # others held the blocks (admission refuses a prompt the pool can't hold)
+        if request in result.exhausted:  # others held the blocks (admission refuses a prompt the pool can't hold)
             prefill.cache.release()  # its full blocks stay findable by prefix: they are reused when it starts again
             self._requeue(request, "prefill_retries")
-        else:
-            request.accept(result.choices[request])
-            if result.choices[request].finished:
-                prefill.cache.release()
-                self._finish(request)
+            return
+        if not picked:  # the prompt's forward failed (or every choice's pick): each choice fails with it
+            prefill.cache.release()
+            for member in members:
+                self._finish(member, result.failures.get(member, result.failures.get(request)))
+            return
+        self._record_prompt_logprobs(request, result)
+        request.followers = []  # from here on each choice is a request of its own
+        joining = []
+        for member in members:
+            if member not in result.choices:
+                self._finish(member, result.failures[member])
+                continue
+            member.prompt_logprobs = list(request.prompt_logprobs)
+            member.accept(result.choices[member])
+            if result.choices[member].finished:
+                self._finish(member)
             else:
-                self.running_cache.add_rows_from(prefill.cache)  # its blocks change hands, no copy
-                self.running.append(request)
+                joining.append(member)
+        for member in joining[:-1]:  # the other choices share every block of the prompt (copy-on-write)
+            self.running_cache.add_rows_from(prefill.cache.fork())
+            self.running.append(member)
+        if joining:
+            self.running_cache.add_rows_from(prefill.cache)  # its blocks change hands, no copy
+            self.running.append(joining[-1])
+        else:
+            prefill.cache.release()
+
+    def _record_prompt_logprobs(self, request: Request, result: StepResult) -> None:
+        if request in result.prompt_logprobs:
+            first, computed = result.prompt_logprobs[request]
+            request.add_prompt_logprobs(computed, first)
 
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
         """Start waiting requests, oldest first, while the pool can hold their tokens."""
-        while self.waiting and len(self.prefilling) + len(self.running) < self.max_running:
+        while self.waiting and self._in_flight() < self.max_running:
             request = self.waiting[0]
             needed = self._blocks_needed(len(request.tokens) + 1)
             too_big = [
@@ -191,14 +230,18 @@ class Scheduler:
                 self.waiting.popleft()
                 self._left_queue(request)
                 name = group.name if len(self.pool.groups) > 1 else None
-                self._finish(request, PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name))
+                error = PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name)
+                for member in request.group:
+                    self._finish(member, error)
                 continue
             if not self._admissible(request, needed):
                 return
             self.waiting.popleft()
             self._left_queue(request)
             cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
-            done = cache.reuse_prefix(torch.tensor([request.tokens])) if len(request.tokens) > 1 else 0
+            # a prompt whose log-probabilities are asked for is computed whole: cached blocks give no logits
+            reuse = len(request.tokens) > 1 and not request.needs_prompt_logprobs
+            done = cache.reuse_prefix(torch.tensor([request.tokens])) if reuse else 0
             self._tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
 
@@ -210,14 +253,15 @@ class Scheduler:
         prompt and next token) fits with one block of headroom per request in flight.
         """
         if not self.reserve_new_tokens:
-            in_flight = len(self.prefilling) + len(self.running) + 1
+            in_flight = self._in_flight() + len(request.group)
             return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
         lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in self.running]
         queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
         for other, done in [*((p.request, p.done) for p in self.prefilling), (request, 0)]:
             queued += len(other.tokens) - done
             ready = -(-queued // self.max_step_tokens) + 1  # it decodes from the step after its prompt is done
-            lifetimes.append(Lifetime.prefilling(len(other.tokens), other.max_length, ready))
+            # each choice of a prompt counted as if it held the prompt alone: an upper bound (they share it)
+            lifetimes += [Lifetime.prefilling(len(other.tokens), member.max_length, ready) for member in other.group]
         caches = [self.running_cache, *(p.cache for p in self.prefilling)]
         for group, (blocks, layers) in enumerate(zip(self.pool.groups, self.pool.layer_groups)):
             if blocks.max_blocks is None:
@@ -228,6 +272,10 @@ class Scheduler:
             if peak_blocks(lifetimes, blocks.block_size, cap) > blocks.capacity - held_elsewhere:
                 return False
         return True
+
+    def _in_flight(self) -> int:
+        """Requests prefilling (each choice of a prompt counted) or running."""
+        return len(self.running) + sum(len(prefill.request.group) for prefill in self.prefilling)
 
     def _blocks_needed(self, num_tokens: int) -> list[int]:
         return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
@@ -282,6 +330,22 @@ class Scheduler:
         else:
             self.inbox.started()
 
+    def _without_cancelled(self, request: Request) -> Request | None:
+        """`request`'s choices that are not cancelled (the cancelled ones end now), led by the first of them;
+        None when every choice is cancelled. A follower that takes the lead takes the prompt's progress too."""
+        members = [member for member in request.group if not member.handle.cancel_requested]
+        if len(members) == len(request.group):
+            return request
+        for member in request.group:
+            if member.handle.cancel_requested:
+                self._cancel(member)
+        request.followers = []
+        if not members:
+            return None
+        leader, leader.followers = members[0], members[1:]
+        leader.prompt_logprobs = request.prompt_logprobs
+        return leader
+
     def _cancel(self, request: Request) -> None:
         self._tally["cancelled"] += 1
         self._ended.append((request, RequestCancelled(f"request {request.id} was cancelled")))
@@ -293,16 +357,19 @@ class Scheduler:
     def _publish(self) -> None:
         """Show the state in `counts`, then end the handles of the requests that left (so that a caller woken by
         its handle reads counts that include it)."""
-        self.counts = Counts(len(self.waiting), len(self.prefilling), len(self.running), **self._tally)
+        waiting = sum(len(request.group) for request in self.waiting)
+        prefilling = sum(len(prefill.request.group) for prefill in self.prefilling)
+        self.counts = Counts(waiting, prefilling, len(self.running), **self._tally)
         ended, self._ended = self._ended, []
         for request, error in ended:
-            request.handle._finish(error)
+            request.handle._finish(error, None if error is not None else request.finish_reason)
 
     def fail_in_flight(self, error: BaseException) -> None:
         """A step failed outside any one request: fail every request in flight with `error`, free their blocks."""
         for prefill in self.prefilling:
             prefill.cache.release()
-            self._finish(prefill.request, error)
+            for member in prefill.request.group:
+                self._finish(member, error)
         for request in self.running:
             self._finish(request, error)
         self.prefilling, self.running = [], []
@@ -314,6 +381,7 @@ class Scheduler:
         self.waiting.extend(self.inbox.take())
         for request in self.waiting:
             self._left_queue(request)
-            self._finish(request, error)
+            for member in request.group:
+                self._finish(member, error)
         self.waiting.clear()
         self.fail_in_flight(error)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
+from .logprobs import TokenLogprob
 from .request import Choice, Request
 
 
@@ -40,6 +41,8 @@ class StepResult:
 
     choices: dict[Request, Choice] = field(default_factory=dict)  # the token each picked, kept
     kept: set[Request] = field(default_factory=set)  # prompt chunks computed and kept (the prompt goes on)
+    # prompt log-probabilities computed (for prompt tokens `first`, `first + 1`, ...), kept with the chunk
+    prompt_logprobs: dict[Request, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     failures: dict[Request, BaseException] = field(default_factory=dict)  # requests that fail, each alone
     exhausted: dict[Request, PoolExhaustedError] = field(default_factory=dict)  # chunks that found no blocks
     decode_exhausted: PoolExhaustedError | None = None  # the decode rows found no blocks (none ran)

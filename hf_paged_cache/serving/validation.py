@@ -19,9 +19,11 @@ from transformers.generation.configuration_utils import GenerationMode
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
-REQUEST_ARGUMENTS = ("seed", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
+REQUEST_ARGUMENTS = (
+    "seed", "logprobs", "prompt_logprobs", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+)
 """`submit` arguments that are neither `GenerationConfig` fields nor ``generation_config`` (which
-`generation_config_for` takes); all but ``seed`` as `generate` takes them."""
+`generation_config_for` takes); the last three as `generate` takes them."""
 
 UNSUPPORTED_ARGUMENTS = {
     "assistant_model": "assisted decoding needs a draft model beside each request",
