@@ -16,8 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..cache.paged_cache import PagedCache
+    from ..pool.kv_pool import KVPool
+    from .request import Request
 
 
 @dataclass(frozen=True)
@@ -56,3 +62,35 @@ def peak_blocks(lifetimes: Sequence[Lifetime], block_size: int, cap: int) -> int
     blocks = (-(-tokens // block_size)).clamp(max=cap)  # [S, R] ceil(tokens / block_size), at most cap
     alive = last.unsqueeze(0) >= steps.unsqueeze(1)  # [S, R]
     return int((blocks * alive).sum(dim=1).max())
+
+
+def lifetimes_in_flight(
+    running: Sequence[Request], prefilling: Sequence[tuple[Request, int]], request: Request, max_step_tokens: int
+) -> list[Lifetime]:
+    """The lifetimes of the requests in flight and of `request` if it starts now, after the prefilling ones.
+
+    `prefilling` pairs each prefilling request with its prompt tokens done; prompts are computed in order,
+    `max_step_tokens` a step. Each choice of a prompt counts as if it held the prompt alone: an upper bound,
+    since they share its blocks.
+    """
+    lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in running]
+    queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
+    for other, done in [*prefilling, (request, 0)]:
+        queued += len(other.tokens) - done
+        ready = -(-queued // max_step_tokens) + 1  # it decodes from the step after its prompt is done
+        lifetimes += [Lifetime.prefilling(len(other.tokens), member.max_length, ready) for member in other.group]
+    return lifetimes
+
+
+def pool_holds(pool: KVPool, lifetimes: Sequence[Lifetime], caches: Sequence[PagedCache]) -> bool:
+    """Whether each fixed layer group of `pool` can hold `lifetimes` at their peak, beside the blocks that
+    caches other than `caches` (those of the requests in flight) hold on the pool."""
+    for group, (blocks, layers) in enumerate(zip(pool.groups, pool.layer_groups)):
+        if blocks.max_blocks is None:
+            continue  # elastic: it grows
+        in_flight = set().union(*(cache.batch.groups[group].unique_blocks() for cache in caches))
+        held_elsewhere = blocks.num_used - len(in_flight)  # by other caches sharing the pool
+        cap = min(layers.max_blocks_per_row(max(life.top for life in lifetimes), blocks.block_size), blocks.capacity)
+        if peak_blocks(lifetimes, blocks.block_size, cap) > blocks.capacity - held_elsewhere:
+            return False
+    return True

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError, RequestCancelled
-from .admission import Lifetime, peak_blocks
+from .admission import lifetimes_in_flight, pool_holds
 from .inbox import Inbox
 from .request import Request
 from .steps import Chunk, StepPlan, StepResult
@@ -255,23 +255,9 @@ class Scheduler:
         if not self.reserve_new_tokens:
             in_flight = self._in_flight() + len(request.group)
             return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
-        lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in self.running]
-        queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
-        for other, done in [*((p.request, p.done) for p in self.prefilling), (request, 0)]:
-            queued += len(other.tokens) - done
-            ready = -(-queued // self.max_step_tokens) + 1  # it decodes from the step after its prompt is done
-            # each choice of a prompt counted as if it held the prompt alone: an upper bound (they share it)
-            lifetimes += [Lifetime.prefilling(len(other.tokens), member.max_length, ready) for member in other.group]
-        caches = [self.running_cache, *(p.cache for p in self.prefilling)]
-        for group, (blocks, layers) in enumerate(zip(self.pool.groups, self.pool.layer_groups)):
-            if blocks.max_blocks is None:
-                continue  # elastic: it grows
-            in_flight = set().union(*(cache.batch.groups[group].unique_blocks() for cache in caches))
-            held_elsewhere = blocks.num_used - len(in_flight)  # by other caches sharing the pool
-            cap = min(layers.max_blocks_per_row(max(life.top for life in lifetimes), blocks.block_size), blocks.capacity)
-            if peak_blocks(lifetimes, blocks.block_size, cap) > blocks.capacity - held_elsewhere:
-                return False
-        return True
+        prefilling = [(p.request, p.done) for p in self.prefilling]
+        lifetimes = lifetimes_in_flight(self.running, prefilling, request, self.max_step_tokens)
+        return pool_holds(self.pool, lifetimes, [self.running_cache, *(p.cache for p in self.prefilling)])
 
     def _in_flight(self) -> int:
         """Requests prefilling (each choice of a prompt counted) or running."""
