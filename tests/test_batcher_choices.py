@@ -134,3 +134,23 @@ def test_logprobs_out_of_range_are_refused_at_submit(bad):
             batcher.submit([5, 6, 7], max_new_tokens=2, logprobs=bad)
         with pytest.raises(ValueError, match="prompt_logprobs"):
             batcher.submit_group([5, 6, 7], 2, max_new_tokens=2, prompt_logprobs=bad)
+
+
+def test_a_group_too_big_for_the_pool_at_once_runs_its_choices_one_by_one():
+    """4 choices of a 30-token prompt with 10 new tokens each: 10 blocks of 4 for the first, 3 more for each
+    other (the prompt's 7 full blocks are shared). A pool of 13 holds one choice but not all four: the group
+    splits and its choices run one after another, with the same tokens."""
+    model = tiny_model("llama")
+    prompt = requests(1, seed=17)[0][0][:10] * 3
+    sampling = dict(max_new_tokens=10, do_sample=True, top_k=0)
+    singles = [alone_sampled(model, prompt, seed=7 + i, **sampling) for i in range(4)]
+    with ContinuousBatcher(model, block_size=4, num_blocks=14) as batcher:  # 13 usable (block 0 is the null block)
+        handles = batcher.submit_group(prompt, 4, seed=7, **sampling)
+        assert [handle.result(timeout=60) for handle in handles] == singles
+        assert batcher.preemptions == 0
+    assert_pool_empty(batcher)
+
+
+def alone_sampled(model, prompt, seed, **kwargs):
+    torch.manual_seed(seed)  # generate() samples from torch's generator: the batcher's request draws the same
+    return alone(model, prompt, **kwargs)

@@ -6,7 +6,9 @@ prompts built from a few shared prefixes plus random tails (lengths crossing blo
 greedy or seeded sampling, on a pool too small for all of them (preemption when reservation is off), with
 a random chunk budget. Some requests carry their own fault (a prompt token the model refuses, a token they
 are made to pick that breaks their next decode step, a token choice that always raises), some a transient
-one (a token choice that raises once), some are cancelled by their client mid-stream, and a chaos thread
+one (a token choice that raises once), some are cancelled by their client mid-stream, some ask for several
+choices of their prompt (``submit_group``: one prefill, shared blocks; a cancelled group cancels its first
+choice only) or for log-probabilities of their new and prompt tokens, and a chaos thread
 arms transient faults one at a time (before or after a random decoder layer, in the final norm, in the LM
 head) while a reader thread reads the batcher's and its caches' stats. Every newly taken block is filled
 with NaN first, so a slot read or registered before it is written shows.
@@ -14,8 +16,8 @@ with NaN first, so a slot read or registered before it is written shows.
 Reference: each request alone through generate() with a DynamicCache (sampled ones under the same seed).
 After every step (on the loop thread): no cache holds a pending step, every block's reference count equals
 the block tables' references to it, and every block the prefix index holds is written. At the end: every
-finished request is exact; a failed one failed with its own fault; a cancelled one streamed a prefix of its
-reference; the pool holds no block.
+finished request (each choice of a group) is exact and its log-probabilities name its tokens; a failed one
+failed with its own fault; a cancelled one streamed a prefix of its reference; the pool holds no block.
 
 Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
 a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
@@ -68,7 +70,12 @@ class Spec:
     at: int = 0  # poison_decode: the new token it is made to pick; cancel: tokens before cancelling
     client: int = 0
     delay: float = 0.0  # seconds its client waits before submitting it
-    reference: list[int] = field(default_factory=list)
+    n: int = 1  # choices of its prompt (submit_group); choice i samples with seed + i
+    references: list[list[int]] = field(default_factory=list)  # one per choice
+
+    @property
+    def reference(self) -> list[int]:
+        return self.references[0]
 
 
 def draw_case(rng: random.Random, model_type: str) -> tuple[list[Spec], dict]:
@@ -92,6 +99,10 @@ def draw_case(rng: random.Random, model_type: str) -> tuple[list[Spec], dict]:
             spec.at = rng.randrange(spec.new_tokens)
         elif spec.kind == "cancel":
             spec.at = rng.randrange(spec.new_tokens + 1)
+        if spec.kind != "poison_decode" and rng.random() < 0.25:
+            spec.n = rng.choice([2, 3])
+        if rng.random() < 0.3:
+            spec.settings = {**spec.settings, "logprobs": rng.choice([0, 2]), "prompt_logprobs": rng.choice([None, 1])}
         specs.append(spec)
     if model_type == "gpt2":
         specs.append(Spec(list(range(3, 60)), 10, {}, kind="too_long", client=1))
@@ -115,17 +126,22 @@ def references(model, specs: list[Spec]) -> int | None:
     for spec in specs:
         if spec.kind == "too_long":
             continue
-        settings = {k: v for k, v in spec.settings.items() if k != "seed"}
-        if "seed" in spec.settings:
-            torch.manual_seed(spec.settings["seed"])  # generate samples from torch's generator: the same draws
-        spec.reference = alone(model, spec.prompt, max_new_tokens=spec.new_tokens, **settings)
-    unused = set(range(3, VOCAB)) - {t for s in specs for t in (*s.prompt, *s.reference)}
+        settings = {k: v for k, v in spec.settings.items() if k not in ("seed", "logprobs", "prompt_logprobs")}
+        spec.references = []
+        for choice in range(spec.n):
+            if "seed" in spec.settings:  # generate samples from torch's generator: the same draws
+                torch.manual_seed(spec.settings["seed"] + choice)
+            elif choice:
+                spec.references.append(spec.references[0])  # greedy: every choice the same
+                continue
+            spec.references.append(alone(model, spec.prompt, max_new_tokens=spec.new_tokens, **settings))
+    unused = set(range(3, VOCAB)) - {t for s in specs for ref in s.references for t in (*s.prompt, *ref)}
     bad = min(unused, default=None)
     for spec in specs:
         if spec.kind.startswith("poison") and bad is None:
             spec.kind = "plain"  # every token is someone's: no poison this time
         elif spec.kind == "poison_decode":
-            spec.reference = [*spec.reference[: spec.at], bad]
+            spec.references = [[*spec.reference[: spec.at], bad]]
     return bad
 
 
@@ -257,12 +273,13 @@ def run_case(model_type: str, seed: int) -> dict:
     assert all(blocks.num_used == 0 for blocks in batcher.pool.groups), "blocks leaked"
     check_prefix_index(batcher, nan_blocks)
     for index, spec in enumerate(specs):
-        check_outcome(spec, outcomes[index])
+        check_outcomes(spec, outcomes[index])
     return dict(steps=steps[0], requests=len(specs), faults=sum(f.fired for f in transient))
 
 
-def serve_one(batcher, spec: Spec, bad: int) -> tuple:
-    """Submit `spec` and follow it to its end: ("done", tokens) or ("error", error, tokens streamed)."""
+def serve_one(batcher, spec: Spec, bad: int) -> list[tuple]:
+    """Submit `spec` and follow each choice to its end: ("done", tokens) or ("error", error, tokens streamed);
+    a group whose spec is "cancel" cancels its first choice only."""
     settings = dict(spec.settings)
     processors = []
     if spec.kind == "poison_decode":
@@ -272,43 +289,62 @@ def serve_one(batcher, spec: Spec, bad: int) -> tuple:
     if processors:
         settings["logits_processor"] = LogitsProcessorList(processors)
     try:
-        handle = batcher.submit(spec.prompt, max_new_tokens=spec.new_tokens, **settings)
+        if spec.n == 1:
+            handles = [batcher.submit(spec.prompt, max_new_tokens=spec.new_tokens, **settings)]
+        else:
+            handles = batcher.submit_group(spec.prompt, spec.n, max_new_tokens=spec.new_tokens, **settings)
     except ValueError as error:
-        return ("refused", error, [])
+        return [("refused", error, [])]
+    return [follow(handle, spec, cancel=spec.kind == "cancel" and choice == 0) for choice, handle in enumerate(handles)]
+
+
+def follow(handle, spec: Spec, cancel: bool) -> tuple:
     streamed = []
-    if spec.kind == "cancel" and spec.at == 0:
+    if cancel and spec.at == 0:
         handle.cancel()
     try:
         for token in handle:
             streamed.append(token)
-            if spec.kind == "cancel" and len(streamed) == spec.at:
+            if cancel and len(streamed) == spec.at:
                 handle.cancel()
     except Exception as error:  # noqa: BLE001 (checked against the spec)
         return ("error", error, streamed)
+    if spec.settings.get("logprobs") is not None:
+        assert [lp.token for lp in handle.logprobs] == streamed, "log-probabilities of other tokens"
+        assert all(len(lp.top) == spec.settings["logprobs"] for lp in handle.logprobs)
+    if spec.settings.get("prompt_logprobs") is not None:
+        assert [lp.token for lp in handle.prompt_logprobs] == spec.prompt[1:], "prompt log-probabilities"
     return ("done", streamed)
 
 
-def check_outcome(spec: Spec, outcome: tuple) -> None:
-    what = f"{spec.kind} request ({len(spec.prompt)} prompt tokens, {spec.new_tokens} new, {spec.settings})"
+def check_outcomes(spec: Spec, outcomes: list[tuple]) -> None:
     if spec.kind == "too_long":
-        assert outcome[0] == "refused" and "past the model's 64" in str(outcome[1]), what
+        assert outcomes[0][0] == "refused" and "past the model's 64" in str(outcomes[0][1]), spec
         return
+    assert len(outcomes) == spec.n
+    for choice, outcome in enumerate(outcomes):
+        kind = "plain" if spec.kind == "cancel" and choice else spec.kind  # a group cancels its first choice
+        check_outcome(spec, kind, spec.references[choice], outcome)
+
+
+def check_outcome(spec: Spec, kind: str, reference: list[int], outcome: tuple) -> None:
+    what = f"{kind} request ({len(spec.prompt)} prompt tokens, {spec.new_tokens} new, {spec.settings}, n={spec.n})"
     if outcome[0] == "done":
-        assert spec.kind not in ("poison_prompt", "choice_always"), f"{what} should have failed"
-        if spec.kind == "poison_decode":
+        assert kind not in ("poison_prompt", "choice_always"), f"{what} should have failed"
+        if kind == "poison_decode":
             assert spec.at == spec.new_tokens - 1, f"{what} should have failed at its poisoned decode step"
-        assert outcome[1] == spec.reference, f"{what}: {outcome[1]} instead of {spec.reference}"
+        assert outcome[1] == reference, f"{what}: {outcome[1]} instead of {reference}"
         return
     _, error, streamed = outcome
-    assert streamed == spec.reference[: len(streamed)], f"{what} streamed {streamed}, not a prefix of {spec.reference}"
-    if spec.kind == "cancel" and isinstance(error, RequestCancelled):
+    assert streamed == reference[: len(streamed)], f"{what} streamed {streamed}, not a prefix of {reference}"
+    if kind == "cancel" and isinstance(error, RequestCancelled):
         return
     expected = {"poison_prompt": "by token", "poison_decode": "by token", "choice_always": "token choice"}
-    assert spec.kind in expected and isinstance(error, Injected) and expected[spec.kind] in str(error), (
+    assert kind in expected and isinstance(error, Injected) and expected[kind] in str(error), (
         f"{what} failed with {error!r}"
     )
-    if spec.kind == "poison_decode":
-        assert streamed == spec.reference[: spec.at + 1], f"{what} streamed {streamed}"
+    if kind == "poison_decode":
+        assert streamed == reference[: spec.at + 1], f"{what} streamed {streamed}"
 
 
 @pytest.mark.parametrize("seed", range(CASES))

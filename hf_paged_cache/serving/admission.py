@@ -65,20 +65,29 @@ def peak_blocks(lifetimes: Sequence[Lifetime], block_size: int, cap: int) -> int
 
 
 def lifetimes_in_flight(
-    running: Sequence[Request], prefilling: Sequence[tuple[Request, int]], request: Request, max_step_tokens: int
+    running: Sequence[Request],
+    prefilling: Sequence[tuple[Request, int]],
+    request: Request,
+    max_step_tokens: int,
+    block_size: int,
 ) -> list[Lifetime]:
     """The lifetimes of the requests in flight and of `request` if it starts now, after the prefilling ones.
 
     `prefilling` pairs each prefilling request with its prompt tokens done; prompts are computed in order,
-    `max_step_tokens` a step. Each choice of a prompt counts as if it held the prompt alone: an upper bound,
-    since they share its blocks.
+    `max_step_tokens` a step. The other choices of a prompt (its leader's followers) share the prompt's full
+    blocks, so each counts only the blocks of its tokens past them.
     """
     lifetimes = [Lifetime.running(len(r.tokens), r.max_length) for r in running]
     queued = 0  # prompt tokens the prefill computes, in order, before each prefilling request is done
     for other, done in [*prefilling, (request, 0)]:
-        queued += len(other.tokens) - done
+        tokens = len(other.tokens)
+        queued += tokens - done
         ready = -(-queued // max_step_tokens) + 1  # it decodes from the step after its prompt is done
-        lifetimes += [Lifetime.prefilling(len(other.tokens), member.max_length, ready) for member in other.group]
+        lifetimes.append(Lifetime.prefilling(tokens, other.max_length, ready))
+        shared = tokens // block_size * block_size  # tokens in the prompt's full blocks
+        lifetimes += [
+            Lifetime.prefilling(tokens - shared, follower.max_length - shared, ready) for follower in other.followers
+        ]
     return lifetimes
 
 

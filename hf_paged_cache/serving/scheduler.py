@@ -235,7 +235,10 @@ class Scheduler:
                     self._finish(member, error)
                 continue
             if not self._admissible(request, needed):
-                return
+                if not (request.followers and self._in_flight() == 0):
+                    return
+                self._split(request)  # its choices do not fit the pool at once: they run one by one
+                continue
             self.waiting.popleft()
             self._left_queue(request)
             cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
@@ -256,8 +259,16 @@ class Scheduler:
             in_flight = self._in_flight() + len(request.group)
             return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
         prefilling = [(p.request, p.done) for p in self.prefilling]
-        lifetimes = lifetimes_in_flight(self.running, prefilling, request, self.max_step_tokens)
+        lifetimes = lifetimes_in_flight(self.running, prefilling, request, self.max_step_tokens, self.pool.block_size)
         return pool_holds(self.pool, lifetimes, [self.running_cache, *(p.cache for p in self.prefilling)])
+
+    def _split(self, request: Request) -> None:
+        """Queue `request`'s followers right after it, each a request of its own (their tokens are the same:
+        each samples with its own generator)."""
+        for follower in reversed(request.followers):
+            self.waiting.insert(1, follower)
+            self._requeued.add(follower)  # never counted by the inbox, which counted the group once
+        request.followers = []
 
     def _in_flight(self) -> int:
         """Requests prefilling (each choice of a prompt counted) or running."""
