@@ -2,7 +2,7 @@
 
 from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
 from .cache import CacheStats, GroupStats, PagedCache
-from .errors import KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
+from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
 from .serving import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 
@@ -10,6 +10,7 @@ register_paged_attention()
 
 __all__ = [
     "ATTENTION_NAME",
+    "BatcherClosed",
     "BatcherStats",
     "BlockPool",
     "CacheStats",

@@ -65,6 +65,11 @@ class QueueFullError(RuntimeError):
         )
 
 
+class BatcherClosed(RuntimeError):
+    """The `ContinuousBatcher` is closed: `submit` refuses new requests, and a request it had not finished when
+    `close(timeout)` ran out ends with this (a server answers 503)."""
+
+
 class RequestCancelled(RuntimeError):
     """A batcher request ended by `RequestHandle.cancel()` before it finished.
 

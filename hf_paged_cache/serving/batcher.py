@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from ..attention import ATTENTION_NAME, set_paged_attention
 from ..cache.paged_cache import PagedCache
+from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
 from .executor import StepExecutor
@@ -144,7 +145,7 @@ class ContinuousBatcher:
         ``logits_processor``, ``stopping_criteria`` and ``prefix_allowed_tokens_fn``. Every argument is checked here (`hf_paged_cache.serving.validation`): `ValueError` names one that
         would fail later or that the batcher cannot honour (beam search, ``num_return_sequences``,
         ``assistant_model``, ``output_scores``, ...), `TypeError` an unknown one. `QueueFullError` past
-        `max_waiting`, `RuntimeError` once closed.
+        `max_waiting`, `BatcherClosed` once closed.
         """
         request = self._request(_token_list(input_ids), generation_kwargs)
         self._enqueue(request)
@@ -193,7 +194,7 @@ class ContinuousBatcher:
 
     def close(self, timeout: float = 0.0) -> None:
         """Refuse new requests, let those submitted finish for up to `timeout` seconds, then fail what is left
-        (`RuntimeError`), stop the loop and give every block back. Waits for the step in progress to end."""
+        (`BatcherClosed`, a `RuntimeError`), stop the loop and give every block back. Waits for the step in progress to end."""
         self._inbox.close(timeout)
         with self._start:
             self._closed = True
@@ -275,7 +276,7 @@ def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners
 
 
 def _shut_down(scheduler: Scheduler, listeners: list) -> None:
-    scheduler.shutdown(RuntimeError("the ContinuousBatcher was closed before this request finished"))
+    scheduler.shutdown(BatcherClosed("the ContinuousBatcher was closed before this request finished"))
     for remove in listeners:
         remove()
 

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 
-from ..errors import QueueFullError
+from ..errors import BatcherClosed, QueueFullError
 from .request import Request
 
 
@@ -32,10 +32,10 @@ class Inbox:
         self._deadline: float | None = None  # when closing: the time after which what is left fails
 
     def put(self, request: Request) -> None:
-        """Queue `request` for the loop; `QueueFullError` beyond `max_waiting`, `RuntimeError` once closed."""
+        """Queue `request` for the loop; `QueueFullError` beyond `max_waiting`, `BatcherClosed` once closed."""
         with self._changed:
             if self._closing:
-                raise RuntimeError("this ContinuousBatcher is closed")
+                raise BatcherClosed("this ContinuousBatcher is closed")
             if self.max_waiting is not None and self._queued >= self.max_waiting:
                 raise QueueFullError(self.max_waiting)
             self._submitted.append(request)
