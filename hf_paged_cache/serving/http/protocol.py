@@ -1,0 +1,243 @@
+"""The OpenAI wire format: pydantic models of what the server reads and writes, and nothing else.
+
+Requests are validated strictly (a string is not a number, a number is not a boolean) and their fields carry
+the ranges that do not depend on the server's settings, so a wrong type or value becomes a 400 naming the
+field (`errors.py`); unknown fields are ignored, as OpenAI's SDKs send some that vary by version. Fields
+that would change the output and that the server cannot honour are accepted here and refused by
+`params.py`, with the field's name. Responses mirror OpenAI's (and vLLM's, for ``/tokenize``,
+``/detokenize`` and the extra sampling fields).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from ..logprobs import MAX_LOGPROBS
+
+
+class _Request(BaseModel):
+    """A request body's part: strict types, no NaN or infinity, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    """A response's part, serialized as OpenAI's (null fields included, unless a model says otherwise)."""
+
+
+# ------------------------------------------------------------------ requests
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class SamplingRequest(_Request):
+    """The fields `/v1/completions` and `/v1/chat/completions` share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)  # the server's --max-n is checked by params.py
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context
+    temperature: float | None = Field(None, ge=0, le=2)  # 0: greedy; None: 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's: -1 or 0 turn it off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # an int64, as OpenAI's
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:123"
+    # accepted so that params.py can refuse them by name when set
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    modalities: list[str] | None = None  # refused unless ["text"]
+    audio: Any = None  # refused when set
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``/tokenize``: a `prompt`, or chat `messages` put through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------ responses
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(_Response):
+    """What a chat chunk adds to a choice's message; fields not set are left out, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hf_paged_cache"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,0 +1,30 @@
+"""What the HTTP app needs to know of its deployment (the engine's own settings go to the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Settings of one server app.
+
+    Attributes:
+        model_name: the name it serves the model under (``/v1/models``, the ``model`` field of requests).
+        model_root: where the model came from (a path or Hub id), reported by ``/v1/models``.
+        api_key: the bearer key every route but ``/health`` needs (None: no key).
+        metrics_need_key: whether ``/metrics`` needs the key too.
+        max_n: the most choices one request may ask for.
+        max_body_bytes: the largest request body accepted (413 beyond it).
+        shutdown_grace: seconds requests in flight get to finish once shutting down.
+    """
+
+    model_name: str
+    model_root: str
+    api_key: str | None = None
+    metrics_need_key: bool = False
+    max_n: int = 16
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_grace: float = 30.0
