@@ -9,7 +9,8 @@ Reads from ``--results-dir`` (default: ``results``) whichever of these exist and
   ratios per scenario (wall clock, and per CPU second);
 - ``bench_beam*.json``    -> ``bench_beam.png``: beam-search KV bytes and speed, Paged vs Dynamic;
 - ``bench_cb*.json``      -> ``bench_cb.png``: useful tokens/s and KV memory, generate vs continuous batching;
-- ``bench_serving*.json`` -> ``bench_serving.png``: output tokens/s and time to first token per contender.
+- ``bench_serving*.json`` -> ``bench_serving.png``: output tokens/s and time to first token per contender;
+- ``bench_http*.json``    -> ``bench_http.png``: the same over HTTP, plus inter-token latency, per contender.
 
 Command::
 
@@ -30,7 +31,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 MIB = 2**20
-COLORS = MappingProxyType({"dynamic": "#8c8c8c", "paged": "#1f77b4", "paged_sdpa": "#2ca02c", "cb": "#ff7f0e"})
+COLORS = MappingProxyType({"dynamic": "#8c8c8c", "paged": "#1f77b4", "paged_sdpa": "#2ca02c", "cb": "#ff7f0e",
+                           "ours": "#1f77b4", "transformers": "#ff7f0e", "batcher": "#2ca02c"})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -210,6 +212,34 @@ def plot_serving(data: dict[str, Any], out: Path) -> Path:
     return save(fig, out / "bench_serving.png")
 
 
+def plot_http(data: dict[str, Any], out: Path) -> Path:
+    c = data["contenders"]
+    names = list(c)
+    x = range(len(names))
+    fig, (speed, first, gaps) = plt.subplots(1, 3, figsize=(11, 3.8))
+    speed.bar(names, [c[n]["tokens_per_s"] for n in names], color=[COLORS.get(n, "#1f77b4") for n in names])
+    for i, n in enumerate(names):
+        low, high = c[n]["tokens_per_s_range"]
+        speed.plot([i, i], [low, high], color="black", linewidth=1)
+        speed.annotate(f"{c[n]['tokens_per_s']:.1f}", (i, high), ha="center", va="bottom", fontsize=8)
+    speed.set_ylabel("output tokens/s (median, range)")
+    for axis, key, scale, unit in ((first, "ttft", 1, "time to first token, s"),
+                                   (gaps, "itl", 1e3, "inter-token latency, ms")):
+        axis.bar([i - 0.2 for i in x], [c[n][f"{key}_p50_s"] * scale for n in names], 0.4, label="p50",
+                 color="#2ca02c")
+        axis.bar([i + 0.2 for i in x], [c[n][f"{key}_p95_s"] * scale for n in names], 0.4, label="p95",
+                 color="#98df8a")
+        axis.set_xticks(list(x), names)
+        axis.set_ylabel(unit)
+        axis.legend(fontsize=8)
+    for axis in (speed, first, gaps):
+        axis.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"{data['num_requests']} streamed requests, {data['concurrency']} clients, {data['output_tokens']} "
+                 f"output tokens, KV budget {data['budget_bytes'] / MIB:.1f} MiB, {data['threads']} threads   "
+                 f"{machine_line(data)}", fontsize=9)
+    return save(fig, out / "bench_http.png")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     folder = Path(args.results_dir)
@@ -220,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     beams = load_all(folder, "bench_beam*.json")
     cbs = load_all(folder, "bench_cb*.json")
     serving = load_all(folder, "bench_serving*.json")
+    http = load_all(folder, "bench_http*.json")
     written: list[Path] = []
     if memory:
         written += [plot_memory(memory[-1], out), plot_concurrency(memory[-1], out)]
@@ -231,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         written.append(plot_cb(cbs, out))
     if serving:
         written.append(plot_serving(serving[-1], out))
+    if http:
+        written.append(plot_http(http[-1], out))
     for path in written:
         print(f"wrote {path}")
     if not written:

@@ -32,6 +32,7 @@ from .timing import (
     in_fresh_thread,
     median,
     peak_memory,
+    percentile,
     reset_peak_memory,
     synchronize,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "pad_token_id",
     "paged_blocks",
     "peak_memory",
+    "percentile",
     "prompt_token_range",
     "reset_peak_memory",
     "sharegpt_workload",

@@ -124,6 +124,14 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q` quantile (0 to 1) of `values` by nearest rank: ``sorted(values)[round(q x (n - 1))]``; NaN if empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
+
+
 class FirstTokenTimer(BaseStreamer):
     """Time to first token of one `generate` call, as a streamer: `generate`'s first `put` is the prompt,
     its second the first new token. Create it right before calling `generate`."""

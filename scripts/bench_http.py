@@ -1,0 +1,495 @@
+"""HTTP serving: our OpenAI-compatible server against ``transformers serve --continuous-batching``, streamed.
+
+Workload: ``--num-requests`` requests of the seeded ShareGPT-shaped stream (`hf_paged_cache.bench`), prompts
+capped at ``--max-prompt`` tokens; request ``i`` asks for ``o_i = clamp(round(draw_i x --output-scale), 1,
+--max-new)`` tokens, as in ``scripts/bench_serving.py``. Prompts are sent as **text**: the workload's random
+token ids decoded with the model's tokenizer (``transformers serve`` refuses token-id prompts: "prompt must be a
+string"), and each server tokenizes that text itself (``tokenizer(text)``, special tokens added as the
+tokenizer adds them). Every request is greedy (``temperature=0``) with ``max_tokens = o_i`` and EOS ignored
+(ours: ``ignore_eos``; transformers: ``generation_config={"do_sample": false, "eos_token_id": -1}``, since it
+refuses unknown fields such as ``ignore_eos`` with a 422), so every answer is exactly ``o_i`` tokens long.
+
+``--concurrency`` clients (asyncio + ``httpx``) share the requests in order; each sends its next request as
+soon as its previous stream ends (a closed loop: at most ``--concurrency`` requests in flight). Every request is
+a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed alone on the CPU:
+
+- ``ours``: ``python -m hf_paged_cache.serve MODEL --device cpu --dtype float32 --host 127.0.0.1 --port P
+  --max-memory BUDGET``;
+- ``transformers``: ``python -m transformers.cli.transformers serve MODEL --continuous-batching --device cpu
+  --dtype float32 --host 127.0.0.1 --port P --cb-num-blocks N`` (``N = BUDGET // (page size x bytes per
+  token)``, page size ``--cb-page-size`` or transformers' 256);
+- ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=BUDGET``) in this process, the same clients as
+  threads reading the handles' tokens: no HTTP, no server process, so ``ours / batcher`` is what HTTP costs.
+
+The KV budget (``--budget``, default: what ``--concurrency`` requests at their longest need, rounded up to
+whole blocks of either engine: ``max over b in (16, page size) of (concurrency x ceil(longest / b) + 1) x b x
+bytes per token``) is the same for every contender and large enough that neither server runs out of blocks.
+
+Each server runs in its own process on a free port of 127.0.0.1 with ``OMP_NUM_THREADS=--threads``; only one
+runs at a time, it is waited on until ``/health`` answers 200, and it is stopped (SIGTERM to its process group,
+then SIGKILL) at the end of its round, also on Ctrl-C or an error. Rounds alternate the contenders (A, B, C, A,
+B, C, ...) ``--repeats`` times; every round starts its server (or batcher) afresh and first sends an untimed
+warm-up batch of ``--concurrency`` requests drawn with another seed (other prompts, so nothing of the timed
+prompts is cached by prefix), at most 16 tokens each.
+
+Reported per contender, medians over the rounds (with the range of tokens/s):
+
+- output tokens/s = ``sum of completion tokens / wall seconds``, completion tokens as the server's ``usage``
+  counts them, wall seconds from the first request sent to the last stream ended (prefill included);
+- time to first token (TTFT) = first streamed chunk that carries text - request sent, p50 and p95 over requests;
+- inter-token latency (ITL) = the gaps between successive text-carrying chunks of one request, p50 and p95
+  over all gaps of all requests (``batcher``: between successive tokens);
+- identical texts: for each pair of contenders, how many of the requests got the same text (first rounds).
+
+What ``transformers serve`` (5.24) does with these requests, found by running it: it streams ``/v1/completions``
+and ``/v1/chat/completions`` with continuous batching on the CPU, loads a local folder offline
+(``HF_HUB_OFFLINE=1``), preloads the model it is given before ``/health`` answers, always sends ``usage`` in its
+last chunk and no ``data: [DONE]``. It ignores ``stream_options``, ``n``, ``best_of``, ``echo``, ``logprobs``,
+``presence_penalty`` and ``user`` (with a logged warning), and with ``--continuous-batching`` it also ignores,
+silently, every per-request sampling setting but ``max_tokens`` and the EOS id (``temperature``, ``top_p``,
+``stop``, ``frequency_penalty``: the first request's settings hold for all). It writes the tokens that
+queued up since its last write together, so some of its chunks arrive at once (an ITL of about 0).
+
+Command (the full run, default model)::
+
+    python scripts/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_paged_cache import ContinuousBatcher, parse_memory
+from hf_paged_cache.bench import (
+    format_table,
+    in_fresh_thread,
+    kv_bytes_per_token,
+    mib,
+    percentile,
+    prompt_token_range,
+    sharegpt_workload,
+    write_json,
+)
+from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
+
+CONTENDERS = ("ours", "transformers", "batcher")
+BLOCK_SIZE = 16  # our server's and ContinuousBatcher's default block size
+TRANSFORMERS_PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default in transformers 5.24
+WARMUP_MAX_TOKENS = 16  # a warm-up request's longest answer
+API_KEY_ENV = "HF_PAGED_CACHE_API_KEY"  # our server's default --api-key
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default",
+                        help="local folder, Hub id, gemma-3-270m, or default: the offline SmolLM2-135M-Instruct "
+                             "folder under ~/.cache/hf_paged_cache (default: default)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated, timed in this order every round (default: {','.join(CONTENDERS)})")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48)")
+    parser.add_argument("--concurrency", type=int, default=16, help="concurrent clients (default: 16)")
+    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
+    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
+    parser.add_argument("--output-scale", type=float, default=0.25,
+                        help="multiplies the drawn output lengths before the cap (default: 0.25)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="OMP_NUM_THREADS of each server, torch threads of the batcher (default: 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (default: 3)")
+    parser.add_argument("--budget", default=None,
+                        help="KV budget of every contender, e.g. 512MiB (default: --concurrency longest requests)")
+    parser.add_argument("--cb-page-size", type=int, default=None,
+                        help="transformers serve --cb-block-size (default: transformers' own, 256)")
+    parser.add_argument("--start-timeout", type=float, default=300.0,
+                        help="seconds a server may take to answer /health (default: 300)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--out", default="results/bench_http.json", help="JSON output path (default: "
+                        "results/bench_http.json)")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------ workload
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as the clients send it."""
+
+    text: str  # the prompt: the workload's token ids decoded
+    prompt_ids: list[int]  # `text` tokenized again, as the servers tokenize it (what the batcher gets)
+    max_tokens: int
+
+
+def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, *,
+              count: int, seed: int, max_new: int) -> list[Job]:
+    workload = sharegpt_workload(count, seed=seed, max_prompt=args.max_prompt, max_output=10**6,
+                                 token_range=prompt_token_range(model, tokenizer))
+    jobs = []
+    for request in workload.requests:
+        text = tokenizer.decode(list(request.prompt_ids))
+        max_tokens = min(max(round(request.output_len * args.output_scale), 1), max_new)
+        jobs.append(Job(text, list(tokenizer(text).input_ids), max_tokens))
+    return jobs
+
+
+def default_budget(jobs: Sequence[Job], concurrency: int, bytes_per_token: int, page_size: int) -> int:
+    """Bytes that hold `concurrency` of the longest requests in whole blocks of either engine (+ a null block)."""
+    longest = max(len(j.prompt_ids) + j.max_tokens for j in jobs)
+    return max((concurrency * math.ceil(longest / b) + 1) * b * bytes_per_token for b in (BLOCK_SIZE, page_size))
+
+
+# ------------------------------------------------------------------ one round's streams
+
+
+@dataclass
+class Stream:
+    """What one client saw of one request."""
+
+    sent: float  # time.perf_counter() when the request was sent
+    arrivals: list[float]  # time.perf_counter() at each chunk that carried text (batcher: each token)
+    text: str
+    completion_tokens: int | None  # the server's usage count (None: it sent none)
+    prompt_tokens: int | None
+
+
+@dataclass
+class Round:
+    seconds: float  # first request sent to last stream ended
+    streams: list[Stream]
+    startup_seconds: float | None = None  # server process started to /health answering
+
+
+def request_body(contender: str, job: Job) -> dict[str, Any]:
+    """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
+    body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
+    if contender == "ours":
+        return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
+    # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's
+    # generation config (here the same for all) for everything else.
+    return body | {"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})}
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"/v1/completions answered {response.status_code}: {response.text[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":  # ours ends with it; transformers serve just closes the stream
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a request mid-stream: {chunk['error']}")
+            text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or [])
+            if text:
+                arrivals.append(time.perf_counter())
+                parts.append(text)
+            usage = chunk.get("usage") or usage
+    return Stream(sent, arrivals, "".join(parts), usage.get("completion_tokens"), usage.get("prompt_tokens"))
+
+
+async def drive_http(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Round:
+    """`concurrency` clients in a closed loop over `bodies`, in order."""
+    streams: list[Stream | None] = [None] * len(bodies)
+    pending = iter(range(len(bodies)))  # shared by the clients; the event loop runs one at a time
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, trust_env=False) as client:
+
+        async def client_loop() -> None:
+            for i in pending:
+                streams[i] = await stream_completion(client, bodies[i])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(bodies)))))
+        seconds = time.perf_counter() - start
+    return Round(seconds, streams)
+
+
+def drive_batcher(batcher: ContinuousBatcher, tokenizer: PreTrainedTokenizerBase, jobs: list[Job],
+                  concurrency: int) -> Round:
+    """The same closed loop as `drive_http`, `concurrency` threads submitting to `batcher` directly."""
+
+    def one(i: int) -> Stream:
+        sent = time.perf_counter()
+        handle = batcher.submit(jobs[i].prompt_ids, max_new_tokens=jobs[i].max_tokens, do_sample=False,
+                                eos_token_id=None)  # None: no EOS
+        tokens, arrivals = [], []
+        for token in handle:
+            arrivals.append(time.perf_counter())
+            tokens.append(token)
+        text = tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return Stream(sent, arrivals, text, len(tokens), len(jobs[i].prompt_ids))
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="client") as clients:
+        start = time.perf_counter()
+        streams = list(clients.map(one, range(len(jobs))))
+        seconds = time.perf_counter() - start
+    return Round(seconds, streams)
+
+
+# ------------------------------------------------------------------ server processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What both servers are started with."""
+
+    model_path: str
+    budget: int  # KV bytes
+    cb_num_blocks: int  # the budget in transformers' blocks of `cb_page_size` tokens
+    cb_page_size: int | None  # None: transformers' default
+    threads: int
+    start_timeout: float
+
+    def command(self, contender: str, port: int | str) -> list[str]:
+        if contender == "ours":
+            return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
+                    "float32", "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget)]
+        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model_path,
+                   "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+                   "--port", str(port), "--cb-num-blocks", str(self.cb_num_blocks)]
+        if self.cb_page_size is not None:
+            command += ["--cb-block-size", str(self.cb_page_size)]
+        return command
+
+    def env(self) -> dict[str, str]:
+        env = os.environ | {
+            "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1",
+        }
+        env.pop(API_KEY_ENV, None)  # ours would then ask these clients for the key
+        if Path(self.model_path).is_dir():  # a local folder: nothing to ask the Hub for
+            env["HF_HUB_OFFLINE"] = "1"
+        return env
+
+
+@contextlib.contextmanager
+def running_server(contender: str, settings: ServerSettings, log_dir: Path) -> Iterator[tuple[str, float]]:
+    """Start `contender`'s server on a free port, wait for ``/health``, yield ``(url, startup seconds)``, and stop
+    it and every process it started, whatever happens meanwhile."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = log_dir / f"{contender}-{port}.log"
+    start = time.perf_counter()
+    with log_path.open("wb") as log:
+        # A session of its own: Ctrl-C reaches this process only, which then stops the server's whole group.
+        process = subprocess.Popen(settings.command(contender, port), stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=settings.env(), start_new_session=True)
+    try:
+        wait_healthy(process, url, settings.start_timeout, log_path)
+        yield url, time.perf_counter() - start
+    finally:
+        stop(process)
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {process.returncode} before answering /health:\n"
+                                   f"{log_tail(log_path)}")
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not answer /health within {timeout:.0f} s:\n{log_tail(log_path)}")
+            time.sleep(0.5)
+
+
+def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL after `grace` seconds; returns once it has exited."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------ rounds
+
+
+def run_server_round(contender: str, settings: ServerSettings, jobs: list[Job], warmup: list[Job],
+                     concurrency: int, log_dir: Path) -> Round:
+    with running_server(contender, settings, log_dir) as (url, startup_seconds):
+        asyncio.run(drive_http(url, [request_body(contender, j) for j in warmup], concurrency))
+        timed = asyncio.run(drive_http(url, [request_body(contender, j) for j in jobs], concurrency))
+    timed.startup_seconds = startup_seconds
+    return timed
+
+
+def run_batcher_round(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jobs: list[Job],
+                      warmup: list[Job], budget: int, concurrency: int) -> Round:
+    with ContinuousBatcher(model, max_memory=budget) as batcher:
+        drive_batcher(batcher, tokenizer, warmup, concurrency)
+        return drive_batcher(batcher, tokenizer, jobs, concurrency)
+
+
+def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
+    tokens = [s.completion_tokens if s.completion_tokens is not None else j.max_tokens
+              for s, j in zip(timed.streams, jobs, strict=True)]
+    ttft = [s.arrivals[0] - s.sent for s in timed.streams if s.arrivals]
+    itl = [b - a for s in timed.streams for a, b in itertools.pairwise(s.arrivals)]
+    return {
+        "seconds": timed.seconds,
+        "output_tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / timed.seconds,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+        "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
+        "lengths_as_requested": sum(s.completion_tokens == j.max_tokens
+                                    for s, j in zip(timed.streams, jobs, strict=True)),
+        "usage_reported": sum(s.completion_tokens is not None for s in timed.streams),
+        "prompt_tokens": sum(s.prompt_tokens or 0 for s in timed.streams),
+        "startup_seconds": timed.startup_seconds,
+    }
+
+
+def summarise(rounds: list[Round], jobs: list[Job]) -> dict[str, Any]:
+    per_round = [round_metrics(r, jobs) for r in rounds]
+
+    def med(key: str) -> float:
+        return statistics.median(m[key] for m in per_round)
+
+    throughput = [m["tokens_per_s"] for m in per_round]
+    first = [s.text for s in rounds[0].streams]
+    return {
+        "tokens_per_s": med("tokens_per_s"), "tokens_per_s_range": [min(throughput), max(throughput)],
+        "ttft_p50_s": med("ttft_p50_s"), "ttft_p95_s": med("ttft_p95_s"),
+        "itl_p50_s": med("itl_p50_s"), "itl_p95_s": med("itl_p95_s"),
+        "texts_same_every_round": sum(all(r.streams[i].text == t for r in rounds) for i, t in enumerate(first)),
+        "rounds": per_round,
+        "texts": first,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown or not contenders:
+        raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
+    model_path = str(ensure_offline_default_model()) if args.model == "default" else resolve_model_path(args.model)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    bytes_per_token = kv_bytes_per_token(model.config, model.dtype)
+    jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
+    warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
+                       max_new=min(args.max_new, WARMUP_MAX_TOKENS))
+    page_size = args.cb_page_size or TRANSFORMERS_PAGE_SIZE
+    budget = (parse_memory(args.budget) if args.budget
+              else default_budget(jobs + warmup, args.concurrency, bytes_per_token, page_size))
+    settings = ServerSettings(model_path, budget, max(1, budget // (page_size * bytes_per_token)), args.cb_page_size,
+                              args.threads, args.start_timeout)
+
+    runs: dict[str, list[Round]] = {name: [] for name in contenders}
+    plan = [name for _ in range(args.repeats) for name in contenders]
+    with tempfile.TemporaryDirectory(prefix="bench_http-") as log_dir, \
+            tqdm(plan, desc="rounds", unit="run") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            if name == "batcher":
+                runs[name].append(in_fresh_thread(run_batcher_round, model, tokenizer, jobs, warmup, budget,
+                                                  args.concurrency))
+            else:
+                runs[name].append(run_server_round(name, settings, jobs, warmup, args.concurrency, Path(log_dir)))
+
+    n = len(jobs)
+    results: dict[str, Any] = {
+        "benchmark": "http", "model": model_path, "dtype": str(model.dtype), "threads": args.threads,
+        "endpoint": "/v1/completions (streamed)", "prompts": "text: the workload's token ids decoded, "
+        "tokenized again by each server", "num_requests": n, "concurrency": args.concurrency,
+        "prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "output_tokens": sum(j.max_tokens for j in jobs),
+        "prompt_lens": [len(j.prompt_ids) for j in jobs], "max_tokens": [j.max_tokens for j in jobs],
+        "budget_bytes": budget,
+        "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
+        "commands": {c: " ".join(settings.command(c, "PORT")) for c in contenders if c != "batcher"},
+        "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
+    }
+    results["identical_texts"] = {
+        f"{a}/{b}": sum(x == y for x, y in zip(results["contenders"][a]["texts"], results["contenders"][b]["texts"]))
+        for a, b in itertools.combinations(contenders, 2)
+    }
+    results["speed_ratios"] = {
+        f"{a}/{b}": per_round_ratio(results["contenders"][a], results["contenders"][b])
+        for a, b in itertools.combinations(contenders, 2)
+    }
+    write_json(args.out, results, "cpu")
+    print_report(results)
+    return results
+
+
+def per_round_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """tokens/s of `a` over `b`, round by round (rounds alternate, so round r of each ran minutes apart)."""
+    ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a["rounds"], b["rounds"], strict=True)]
+    return {"median": statistics.median(ratios), "per_round": ratios}
+
+
+def print_report(results: dict[str, Any]) -> None:
+    n = results["num_requests"]
+    rows = [{
+        "contender": name,
+        "tokens/s": r["tokens_per_s"],
+        "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
+        "TTFT p50 / p95 s": f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f}",
+        "ITL p50 / p95 ms": f"{r['itl_p50_s'] * 1e3:.0f} / {r['itl_p95_s'] * 1e3:.0f}",
+        "lengths as asked": f"{min(m['lengths_as_requested'] for m in r['rounds'])}/{n}",
+        "same text every round": f"{r['texts_same_every_round']}/{n}",
+    } for name, r in results["contenders"].items()]
+    print(f"{n} requests ({results['prompt_tokens']} prompt, {results['output_tokens']} output tokens), "
+          f"{results['concurrency']} clients, KV budget {mib(results['budget_bytes']):.1f} MiB, "
+          f"{results['threads']} threads")
+    print(format_table(rows, list(rows[0])))
+    for pair, count in results["identical_texts"].items():
+        ratio = results["speed_ratios"][pair]
+        rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
+        print(f"{pair}: identical texts {count}/{n}; tokens/s ratio {ratio['median']:.2f}x (rounds: {rounds})")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running server is stopped
+    main()
+    sys.exit(0)

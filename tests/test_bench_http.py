@@ -1,0 +1,111 @@
+"""Smoke test of ``scripts/bench_http.py``: our server (a real subprocess on a free port) against the in-process
+`ContinuousBatcher`, on a tiny random Llama with the character tokenizer of ``tests/data/char_tokenizer``.
+
+The test checks the JSON fields, the accounting and that the two contenders answer alike, never a timing; the
+``transformers`` contender is left out to keep it short (the script runs it the same way).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import AutoConfig, AutoTokenizer
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi", reason="the server needs its extra: pip install -e '.[serve]'")
+if importlib.util.find_spec("hf_paged_cache.serve") is None:
+    pytest.skip("the server module hf_paged_cache.serve is not there yet", allow_module_level=True)
+
+from hf_paged_cache.bench import kv_bytes_per_token  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-http")
+    tiny_model("llama").save_pretrained(path)
+    AutoTokenizer.from_pretrained(DATA / "char_tokenizer").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("results-http")
+
+
+@pytest.fixture(scope="module")
+def http_result(model_dir: Path, results_dir: Path) -> dict[str, Any]:
+    out = results_dir / "bench_http.json"
+    args = ["--model", str(model_dir), "--contenders", "ours,batcher", "--num-requests", "4", "--concurrency", "2",
+            "--max-prompt", "24", "--max-new", "6", "--output-scale", "0.05", "--repeats", "1", "--threads", "1",
+            "--start-timeout", "120", "--out", str(out)]
+    payload = load_script("bench_http").main(args)
+    assert json.loads(out.read_text())["benchmark"] == payload["benchmark"] == "http"
+    return payload
+
+
+def test_bench_http_fields(http_result: dict[str, Any], model_dir: Path) -> None:
+    res = http_result
+    assert set(res["contenders"]) == {"ours", "batcher"} and res["num_requests"] == 4
+    assert all(1 <= n <= 6 for n in res["max_tokens"]) and res["output_tokens"] == sum(res["max_tokens"])
+    for name, c in res["contenders"].items():
+        (round_,) = c["rounds"]
+        assert round_["lengths_as_requested"] == round_["usage_reported"] == 4, name  # EOS ignored, usage sent
+        assert round_["output_tokens"] == res["output_tokens"], name
+        assert round_["prompt_tokens"] == res["prompt_tokens"], name  # the server tokenized the text as we did
+        assert c["tokens_per_s"] == pytest.approx(res["output_tokens"] / round_["seconds"]), name
+        assert 0 < c["ttft_p50_s"] <= c["ttft_p95_s"] <= round_["seconds"], name
+        assert 0 <= c["itl_p50_s"] <= c["itl_p95_s"], name
+        assert len(c["texts"]) == 4 and c["texts_same_every_round"] == 4, name
+    assert res["contenders"]["ours"]["rounds"][0]["startup_seconds"] > 0
+    assert res["contenders"]["batcher"]["rounds"][0]["startup_seconds"] is None
+    assert res["identical_texts"] == {"ours/batcher": 4}  # both greedy and exact: the same answers
+    assert res["speed_ratios"]["ours/batcher"]["per_round"] == [
+        res["contenders"]["ours"]["tokens_per_s"] / res["contenders"]["batcher"]["tokens_per_s"]
+    ]
+    # 2 clients' longest requests (at most 24 + 6 tokens) in whole 256-token transformers blocks, + 1
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
+    assert res["budget_bytes"] == (2 * math.ceil(30 / 256) + 1) * 256 * per_token
+    assert res["cb_num_blocks"] == 3
+    assert set(res["commands"]) == {"ours"} and "--max-memory" in res["commands"]["ours"]
+
+
+def test_bench_http_leaves_no_process(http_result: dict[str, Any]) -> None:
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_server_that_cannot_start_is_reported_and_gone(tmp_path: Path) -> None:
+    bench = load_script("bench_http")
+    settings = bench.ServerSettings(str(tmp_path / "no-model-here"), budget=2**20, cb_num_blocks=1, cb_page_size=None,
+                                    threads=1, start_timeout=120)
+    with pytest.raises(RuntimeError, match="exited with code"):
+        with bench.running_server("ours", settings, tmp_path):
+            pass
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_plot_bench_draws_http(http_result: dict[str, Any], results_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
+    assert {Path(p).name for p in written["written"]} == {"bench_http.png"}
+    assert (tmp_path / "bench_http.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
