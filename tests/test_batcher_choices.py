@@ -100,9 +100,13 @@ def test_n_choices_hold_the_prompts_blocks_once():
         stream = iter(handles[0])
         for _ in range(3):
             next(stream)  # all 4 are decoding now (they joined together)
-        used = batcher.stats().groups[0].blocks_used
+        usage = batcher.stats().groups[0]
         for handle in handles:
             handle.result(timeout=60)
+        assert batcher.stats().groups[0].kv_utilization == 0.0  # nothing held
+    used = usage.blocks_used
+    # 4 rows in 4-token blocks (the prompt's, shared, counted once): only the rows' last blocks have empty slots
+    assert 0.75 < usage.kv_utilization <= 1.0
     # alone, 4 requests of 43+ tokens would hold 4 * 11 blocks; sharing, 10 prompt blocks + 1 or 2 each
     assert 10 + 4 <= used <= 10 + 4 * 2
 

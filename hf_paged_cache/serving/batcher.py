@@ -44,6 +44,7 @@ class GroupUsage:
     blocks_used: int
     blocks_free: int
     capacity: int  # most blocks held at once (an elastic pool's grows)
+    kv_utilization: float  # tokens stored / token slots of the blocks the batcher's requests hold (0.0 when none)
 
 
 @dataclass(frozen=True)
@@ -180,16 +181,19 @@ class ContinuousBatcher:
         """Requests by state (at the last step boundary), preemptions, packed steps, prefix hits, and each
         layer group's blocks used and free. Safe from any thread."""
         counts = self._scheduler.counts
-        groups = tuple(
-            GroupUsage(group.name, blocks.num_used, blocks.num_free, blocks.capacity)
-            for group, blocks in zip(self.pool.layer_groups, self.pool.groups)
-        )
+        caches = [self._scheduler.running_cache, *(prefill.cache for prefill in list(self._scheduler.prefilling))]
+        held = [cache.stats().groups for cache in caches]  # each cache's reads are safe from any thread
+        groups = []
+        for g, (group, blocks) in enumerate(zip(self.pool.layer_groups, self.pool.groups)):
+            used, reserved = sum(stats[g].bytes_used for stats in held), sum(stats[g].bytes_reserved for stats in held)
+            utilization = used / reserved if reserved else 0.0
+            groups.append(GroupUsage(group.name, blocks.num_used, blocks.num_free, blocks.capacity, utilization))
         return BatcherStats(
             waiting=counts.waiting + self._inbox.pending, prefilling=counts.prefilling, running=counts.running,
             finished=counts.finished, failed=counts.failed, cancelled=counts.cancelled,
             preemptions=counts.preemptions, prefill_retries=counts.prefill_retries,
             packed_steps=self._executor.packed_steps,
-            prefix_hit_tokens=counts.prefix_hit_tokens, groups=groups,
+            prefix_hit_tokens=counts.prefix_hit_tokens, groups=tuple(groups),
         )
 
     def close(self, timeout: float = 0.0) -> None:

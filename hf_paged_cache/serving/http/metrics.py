@@ -68,7 +68,7 @@ class BatcherCollector(Collector):
 
     Per layer group (labelled ``group`` when the model has several): ``blocks_total`` (the most blocks that can
     be held), ``blocks_used``, ``blocks_free``, ``blocks_cached`` (findable by prefix, held or free) and
-    ``kv_utilization`` (used / total). Then ``requests_running`` (prefilling or decoding), ``requests_waiting``,
+    ``kv_utilization`` (tokens stored / token slots of the blocks in use, 0 when none is). Then ``requests_running`` (prefilling or decoding), ``requests_waiting``,
     and the batcher's counters ``prefix_cache_hit_tokens_total`` and ``preemptions_total``.
 
     Args:
@@ -92,7 +92,7 @@ class BatcherCollector(Collector):
                 ("blocks_used", "KV blocks held by requests"),
                 ("blocks_free", "KV blocks free (including those cached for their prefix)"),
                 ("blocks_cached", "KV blocks findable by their prefix (held or free)"),
-                ("kv_utilization", "Fraction of the pool's blocks held"),
+                ("kv_utilization", "Tokens stored / token slots of the KV blocks requests hold"),
             )
         }
         for usage, blocks in zip(stats.groups, batcher.pool.groups):
@@ -101,7 +101,7 @@ class BatcherCollector(Collector):
                 "blocks_used": usage.blocks_used,
                 "blocks_free": usage.blocks_free,
                 "blocks_cached": blocks.prefix_stats().cached_blocks,
-                "kv_utilization": usage.blocks_used / usage.capacity if usage.capacity else 0.0,
+                "kv_utilization": usage.kv_utilization,
             }
             for name, value in values.items():
                 gauges[name].add_metric([usage.name] if labelled else [], value)
