@@ -19,7 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,19 +64,29 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama-server")
     model = tiny_model("llama")
     model.config.max_position_embeddings = CONTEXT  # plain RoPE: the weights do not depend on it
+    tokenizer = AutoTokenizer.from_pretrained(DATA / "char_tokenizer")
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # as a real model's: generate() stops there too
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(DATA / "char_tokenizer").save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("server-log") / "server.log"
+    options = ["--num-blocks", "512", "--max-n", str(MAX_N), "--max-body-bytes", str(MAX_BODY)]
+    with run_server(model_dir, log, *options) as running:
+        yield running
+
+
+@contextmanager
+def run_server(model_dir: Path, log: Path, *options: str) -> Iterator[Server]:
+    """`python -m hf_paged_cache.serve` on `model_dir` and a free port, with the key and name of these tests and
+    `options`, its output in `log`; yields it once healthy and always stops it (SIGTERM, then kill)."""
+    port = _free_port()
     command = [
         sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(port), "--api-key", KEY,
-        "--served-model-name", NAME, "--num-blocks", "512", "--max-n", str(MAX_N),
-        "--max-body-bytes", str(MAX_BODY), "--shutdown-grace", "20", "--log-level", "warning",
+        "--served-model-name", NAME, "--shutdown-grace", "20", "--log-level", "warning", *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HF_PAGED_CACHE_API_KEY", None)
@@ -188,13 +200,14 @@ def test_the_engine_ends_a_choice_at_eos_unless_ignore_eos():
     prompt = tokenizer("Stop at EOS").input_ids
     free = generate_alone(model, prompt, 8)
     model.generation_config.eos_token_id = free[3]
-    cut = free.index(free[3])
+    cut = next(i for i, token in enumerate(free) if token in (free[3], tokenizer.eos_token_id))
 
     async def first_choice(options: GenerationOptions):
         return (await engine.generate([prompt], options).results())[0]
 
     with ContinuousBatcher(model, tokenizer=tokenizer) as batcher:
         engine = EngineClient(batcher, tokenizer)
+        assert engine.eos_token_ids == (free[3], tokenizer.eos_token_id)  # the model's EOS, then the tokenizer's
         stopped = asyncio.run(first_choice(GenerationOptions(max_tokens=8, temperature=0)))
         assert (stopped.tokens, stopped.finish_reason) == (free[:cut + 1], "stop")
         assert stopped.text == text_of(tokenizer, free[:cut])
@@ -501,6 +514,8 @@ BAD_COMPLETIONS = [
     ({"stream": "yes"}, "stream"),
     ({"seed": 2**70}, "seed"),
     ({"prompt": [100000]}, "prompt"),  # a token id outside the vocabulary (the batcher refuses it)
+    ({"prompt": [-1], "echo": True}, "prompt"),  # refused before echo decodes it (found by test_server_fuzz.py)
+    ({"prompt": [[5], [2**40]], "echo": True}, "prompt"),
     # parameters that would change the output and are not implemented
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),

@@ -69,10 +69,13 @@ class EngineClient:
         if not limits:
             raise ValueError("the model has no max_position_embeddings: pass max_model_len")
         self.max_model_len = min(limits)
+        self.vocab_size = batcher.model.get_input_embeddings().num_embeddings  # a prompt's ids are below it
         self.chat_template = chat_template
         self.metrics = metrics
+        # a request stops at the model's EOS ids and the tokenizer's (as vLLM does), unless it says ignore_eos
         eos = batcher.model.generation_config.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        ids = [*(eos if isinstance(eos, list) else [] if eos is None else [eos]), tokenizer.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
 
     # ------------------------------------------------------------------ text
@@ -150,10 +153,8 @@ class EngineClient:
                 kwargs["min_p"] = options.min_p
         if options.repetition_penalty is not None:
             kwargs["repetition_penalty"] = options.repetition_penalty
-        if options.ignore_eos or options.stop_token_ids:
-            eos = () if options.ignore_eos else self.eos_token_ids
-            stop_ids = list(dict.fromkeys([*eos, *options.stop_token_ids]))
-            kwargs["eos_token_id"] = stop_ids or None
+        eos = () if options.ignore_eos else self.eos_token_ids
+        kwargs["eos_token_id"] = list(dict.fromkeys([*eos, *options.stop_token_ids])) or None
         if options.presence_penalty or options.frequency_penalty:
             kwargs["logits_processor"] = LogitsProcessorList([
                 PresenceFrequencyPenalty(prompt_length, options.presence_penalty, options.frequency_penalty)
