@@ -58,16 +58,23 @@ def refuse_unsupported(request: SamplingRequest) -> None:
 
 
 def completion_prompts(request: CompletionRequest, engine: EngineClient) -> list[list[int]]:
-    """The prompts of a completion request as token ids: a string, strings, token ids, or lists of token ids."""
+    """The prompts of a completion request as token ids: a string, strings, token ids, or lists of token ids.
+
+    Ids the client sent are checked against the model's vocabulary here, before anything decodes them (``echo``):
+    the tokenizer cannot decode an id past 32 bits, or a negative one.
+    """
     prompt = request.prompt
     if isinstance(prompt, str):
         prompts = [engine.encode(prompt)] if prompt else [[]]
     elif prompt and all(isinstance(item, str) for item in prompt):
         prompts = [engine.encode(text) if text else [] for text in prompt]
-    elif prompt and all(isinstance(item, int) for item in prompt):
-        prompts = [list(prompt)]
     else:
-        prompts = [list(ids) for ids in prompt]
+        ids_only = bool(prompt) and all(isinstance(item, int) for item in prompt)
+        prompts = [list(prompt)] if ids_only else [list(ids) for ids in prompt]
+        bad = [token for ids in prompts for token in ids if not 0 <= token < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the model's vocabulary of {engine.vocab_size}",
+                           param="prompt", code="invalid_value")
     if not prompts or any(not ids for ids in prompts):
         raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
     return prompts
