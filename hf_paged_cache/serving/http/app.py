@@ -8,6 +8,7 @@
 | ``POST /v1/chat/completions`` | the messages through the chat template, then as a completion |
 | ``POST /tokenize``, ``POST /detokenize`` | vLLM's: a prompt (or messages) to token ids, and back |
 | ``GET /metrics`` | Prometheus metrics of the app's own registry |
+| ``GET /openapi.json`` | the OpenAPI schema of the routes above: request bodies, answers and error objects |
 
 Handlers turn the request body (`protocol`) into prompts and options (`params`), run them on the engine
 (`EngineClient`, which knows nothing of HTTP) and format what comes back (`completions`, `chat`). A client
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -48,10 +50,14 @@ from .params import (
     refuse_unsupported,
 )
 from .protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -61,6 +67,17 @@ from .protocol import (
 from .settings import ServerSettings
 
 logger = logging.getLogger("hf_paged_cache.serve")
+
+ERROR_STATUSES = {
+    400: "a bad value or type (malformed JSON included), or a request the server cannot run; `param` names the field",
+    401: "a missing or wrong API key",
+    404: "another model than the one served",
+    413: "a body over --max-body-bytes",
+    429: "--max-waiting requests already wait",
+    500: "a bug (logged with its traceback)",
+    503: "the model is loading, or the server is shutting down",
+}
+"""What each error status means; every error is an OpenAI error object (`ErrorResponse`)."""
 
 
 def build_app(
@@ -76,31 +93,41 @@ def build_app(
                                 on_load_failure=on_load_failure)
     registry.register(BatcherCollector(lambda: lifecycle.batcher))
     app = FastAPI(
-        title="hf_paged_cache", lifespan=lifecycle.lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+        title="hf_paged_cache", summary="An OpenAI-compatible server on a ContinuousBatcher",
+        lifespan=lifecycle.lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
     )
     app.state.lifecycle = lifecycle
     open_paths = {"/health"} | (set() if settings.metrics_need_key else {"/metrics"})
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=frozenset(open_paths))  # outermost
     install_error_handlers(app)
+    key = (401,) if settings.api_key is not None else ()  # statuses the API key adds to a closed route
 
-    @app.get("/health")
+    @app.get("/health", responses={
+        200: {"content": {"application/json": {"schema": {
+            "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"],
+        }}}},
+        **_errors(503),
+    })
     async def health() -> Response:
         phase = lifecycle.phase
         if phase != "ready":
             return error_response(503, f"not ready: {phase}", code=phase.replace(" ", "_"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*key, 500, 503))
     async def list_models() -> ModelList:
         return ModelList(data=[_model_card(settings, lifecycle.engine(), created)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(*key, 404, 500, 503))
     async def get_model(model_id: str) -> ModelCard:
         check_model(model_id, settings.model_name)
         return _model_card(settings, lifecycle.engine(), created)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={
+        200: _answer_content(CompletionResponse, chunk=CompletionResponse),
+        **_errors(400, *key, 404, 413, 429, 500, 503),
+    })
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         engine = lifecycle.engine()
         check_model(body.model, settings.model_name)
@@ -117,7 +144,10 @@ def build_app(
         )
         return await _answer(request, body, _start(engine, prompts, options, "prompt"), formatter)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        200: _answer_content(ChatCompletionResponse, chunk=ChatCompletionChunk),
+        **_errors(400, *key, 404, 413, 429, 500, 503),
+    })
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         engine = lifecycle.engine()
         check_model(body.model, settings.model_name)
@@ -133,7 +163,7 @@ def build_app(
                                   tokens_as_ids=body.return_tokens_as_token_ids)
         return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, *key, 404, 413, 500, 503))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         engine = lifecycle.engine()
         check_model(body.model, settings.model_name)
@@ -145,7 +175,7 @@ def build_app(
             ids = engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, *key, 404, 413, 500, 503))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         engine = lifecycle.engine()
         check_model(body.model, settings.model_name)
@@ -156,11 +186,57 @@ def build_app(
                            code="invalid_value")
         return DetokenizeResponse(prompt=engine.decode(body.tokens))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+              "description": "Prometheus text exposition"},
+        **_errors(*(key if settings.metrics_need_key else ()), 500),
+    })
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's error answers for its OpenAPI schema: an OpenAI error object for each status, and for any other
+    client error ("4XX"), which also keeps FastAPI from documenting a 422 this server never sends (it answers 400)."""
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses
+    }
+    responses["4XX"] = {"model": ErrorResponse, "description": "another client error"}
+    return responses
+
+
+def _answer_content(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    """The 200 of a completion route: `model` as JSON, or (``stream: true``) server-sent events, each event's
+    ``data`` a `chunk` or a failure's error object as JSON, then ``[DONE]``."""
+    event = {
+        "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+        "if": {"properties": {"data": {"const": "[DONE]"}}},
+        "else": {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": {
+            "anyOf": [_inline_schema(chunk), _inline_schema(ErrorResponse)],
+        }}}},
+    }
+    return {"model": model, "content": {"text/event-stream": {"schema": event}},
+            "description": f"the whole answer; with `stream: true`, one event per `{chunk.__name__}`, then `[DONE]`"}
+
+
+def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema as it is serialized, its nested models written out in place (an event's schema
+    cannot point into the schema's components for models that no route names)."""
+    schema = model.model_json_schema(mode="serialization")
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return inline(schema)
 
 
 def _model_card(settings: ServerSettings, engine: EngineClient, created: int) -> ModelCard:
