@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import psutil
@@ -26,18 +24,11 @@ pytest.importorskip("fastapi", reason="the server needs its extra: pip install -
 if importlib.util.find_spec("hf_paged_cache.serve") is None:
     pytest.skip("the server module hf_paged_cache.serve is not there yet", allow_module_level=True)
 
+from test_bench_scripts import load_script  # noqa: E402
+
 from hf_paged_cache.bench import kv_bytes_per_token  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
