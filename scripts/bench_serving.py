@@ -58,6 +58,7 @@ from hf_paged_cache.bench import (
     left_pad,
     load,
     mib,
+    percentile,
     prompt_token_range,
     sharegpt_workload,
     write_json,
@@ -175,11 +176,6 @@ def reference(model: PreTrainedModel, prompts: list[list[int]], outputs: list[in
                                  cache=DynamicCache(config=model.config))
         tokens.append(out[0, len(prompt):].tolist())
     return tokens
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
