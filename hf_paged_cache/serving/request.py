@@ -28,7 +28,7 @@ from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaL
 
 from ..errors import RequestCancelled
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
-from .validation import REQUEST_ARGUMENTS, check_request, generation_config_for
+from .validation import REQUEST_ARGUMENTS, check_request, flat_token_ids, generation_config_for
 
 
 class RequestHandle:
@@ -218,8 +218,7 @@ class Request:
     @property
     def finish_reason(self) -> str:
         """Why it stopped: ``"length"`` at its longest (unless its last token is an EOS), else ``"stop"``."""
-        eos = self.config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos_ids = set(flat_token_ids(self.config.eos_token_id))
         at_longest = len(self.tokens) >= self.max_length
         return "length" if at_longest and not (self.generated and self.generated[-1] in eos_ids) else "stop"
 
@@ -265,7 +264,8 @@ class Request:
     def accept(self, choice: Choice) -> None:
         """Add a picked token to the request and stream it to its handle (once its step is kept)."""
         self.generated.append(choice.token)
-        prompt = list(self.prompt_logprobs) if self.prompt_logprobs_k is not None else None
+        first = len(self.generated) == 1  # the handle takes the prompt's log-probabilities with the first token
+        prompt = list(self.prompt_logprobs) if first and self.prompt_logprobs_k is not None else None
         self.handle._emit(choice.token, choice.logprob, prompt)
 
     def add_prompt_logprobs(self, computed: Sequence[TokenLogprob], first: int) -> None:

@@ -10,7 +10,7 @@ never silently ignored. Anything that still fails later fails that request alone
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -128,19 +128,19 @@ def _check_token_ids(config: GenerationConfig, vocab: int) -> None:
         ("bad_words_ids", config.bad_words_ids),
         ("sequence_bias", list(bias_ids)),
     ):
-        for token in _flat_ids(value):
+        for token in flat_token_ids(value):
             if not 0 <= token < vocab:
                 raise ValueError(f"{name}: token id {token} is outside the model's vocabulary of {vocab}")
 
 
-def _flat_ids(value: object) -> Iterable[int]:
+def flat_token_ids(value: object) -> list[int]:
     """Every token id in an int, a (nested) list or tuple of them, or a tensor; nothing for None."""
     if value is None:
         return []
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).tolist()
     if isinstance(value, (list, tuple)):
-        return [token for item in value for token in _flat_ids(item)]
+        return [token for item in value for token in flat_token_ids(item)]
     return [int(value)]
 
 

@@ -20,6 +20,7 @@ from transformers import LogitsProcessorList
 
 from ..batcher import ContinuousBatcher
 from ..request import RequestHandle
+from ..validation import flat_token_ids
 from .detokenize import IncrementalDetokenizer
 from .generation import ChoiceStream, Generation
 from .metrics import ServerMetrics
@@ -73,9 +74,8 @@ class EngineClient:
         self.chat_template = chat_template
         self.metrics = metrics
         # a request stops at the model's EOS ids and the tokenizer's (as vLLM does), unless it says ignore_eos
-        eos = batcher.model.generation_config.eos_token_id
-        ids = [*(eos if isinstance(eos, list) else [] if eos is None else [eos]), tokenizer.eos_token_id]
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
+        ids = [*flat_token_ids(batcher.model.generation_config.eos_token_id), *flat_token_ids(tokenizer.eos_token_id)]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
 
     # ------------------------------------------------------------------ text
