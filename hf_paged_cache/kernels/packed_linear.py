@@ -1,0 +1,84 @@
+"""`pack_linears`: run a model's `nn.Linear` layers through oneDNN on weights packed once, on CPUs.
+
+A decode step multiplies a handful of rows by every weight of the model. PyTorch's CPU wheels send float32
+``F.linear`` to MKL, whose small-batch kernels run far below the machine's speed on some CPUs (measured on a
+2-core AMD EPYC with AVX-512: a ``[16, 576] x [576, 1536]`` product in 391 us against 177 us through oneDNN, and
+SmolLM2-135M's ``[49152, 576]`` output head at 16 rows in 30.6 ms against 7.7 ms). oneDNN (which PyTorch ships
+as ``mkldnn``) multiplies by a weight reordered once into its blocked layout; `PackedLinear` keeps that packed
+copy beside the weight and uses it whenever no gradient is wanted.
+
+The results are the same products summed in another order: float32 rounding apart (relative differences
+about 1e-6), so greedy tokens agree with the stock model except at exact near-ties of the two top logits.
+The packed copies double the memory of the linear weights. Nothing changes for training or autograd, for
+other devices, or for dtypes oneDNN does not take here (only float32 and bfloat16 are packed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+BATCH_HINT = 16
+"""Rows oneDNN tunes the packed layout for: a decode step's batch (any row count works, this one best)."""
+
+
+def packed_linears_supported() -> bool:
+    """Whether this PyTorch build has the oneDNN linear operators `PackedLinear` calls."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` that multiplies by a oneDNN-packed copy of its weight when no gradient is wanted.
+
+    It holds the original `weight` and `bias` parameters (shared, not copied: tied weights stay tied, and
+    ``state_dict`` is unchanged). The packed copy is made on first use and again whenever the weight is
+    replaced, moved, cast or changed in place (its version counter), so it never goes stale.
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.batch_hint = batch_hint
+        self._packed: torch.Tensor | None = None
+        self._packed_from: tuple[int, int, torch.dtype, torch.device] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if wants_grad or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype:
+            return F.linear(x, weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+
+    def _packed_weight(self) -> torch.Tensor:
+        weight = self.weight
+        source = (id(weight), weight._version, weight.dtype, weight.device)
+        if self._packed is None or self._packed_from != source:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+            self._packed_from = source
+        return self._packed
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, packed for oneDNN"
+
+
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
+    """Make every plain `nn.Linear` of `model` a `PackedLinear`, in place; returns how many it changed.
+
+    Idempotent (a `PackedLinear` is left as it is). Subclasses of `nn.Linear` (quantized or parallel
+    layers) keep their own forward. Raises `NotImplementedError` on a PyTorch build without oneDNN.
+    """
+    if not packed_linears_supported():
+        raise NotImplementedError("this PyTorch build has no oneDNN (mkldnn) linear operators to pack weights for")
+    changed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child, batch_hint))
+                changed += 1
+    return changed
