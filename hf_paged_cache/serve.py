@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    parser.add_argument(
+        "--packed-linears", action=argparse.BooleanOptionalAction, default=True,
+        help="on a CPU, run the model's linear layers through oneDNN on packed weights (hf_paged_cache.kernels): "
+             "much faster small batches, float32 rounding apart the same products, twice the linear weights' "
+             "memory (default: on; --no-packed-linears for the stock kernels)",
+    )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=_positive, help="KV blocks in every layer group (default: elastic pool)")
     pool.add_argument("--max-memory", type=_memory, help="KV memory for the pool, e.g. 2GiB (default: elastic pool)")
@@ -111,11 +117,16 @@ def _memory(text: str) -> int:
 
 def load_engine(options: argparse.Namespace, chat_template: str | None, metrics: ServerMetrics) -> EngineClient:
     """Load the model and tokenizer, build the batcher on them, and log the pool it holds."""
+    import torch
+
+    from .kernels import pack_linears
     from .serving.batcher import ContinuousBatcher
     from .serving.http.engine import EngineClient
 
     logger.info("loading %s (%s on %s)", options.model, options.dtype, options.device)
     model, tokenizer = _load_model(options)
+    if options.packed_linears and torch.device(options.device).type == "cpu":
+        logger.info("packed %d linear layers for oneDNN", pack_linears(model))
     batcher = ContinuousBatcher(
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,

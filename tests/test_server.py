@@ -35,6 +35,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="the server needs its extra: pip install -e '.[serve]'")
 
 from hf_paged_cache import ContinuousBatcher  # noqa: E402
+from hf_paged_cache.kernels import pack_linears  # noqa: E402
 from hf_paged_cache.serving.http.engine import EngineClient, GenerationOptions  # noqa: E402
 from hf_paged_cache.serving.http.penalties import PresenceFrequencyPenalty  # noqa: E402
 from hf_paged_cache.serving.http.stop_strings import StopStringMatcher  # noqa: E402
@@ -108,8 +109,12 @@ def run_server(model_dir: Path, log: Path, *options: str) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """The same weights in this process (default attention, `DynamicCache`), and the same tokenizer."""
+    """The model the server runs, in this process (default attention, `DynamicCache`), and the same tokenizer.
+
+    The server packs its linear layers for oneDNN by default (``--packed-linears``), so the reference does too.
+    """
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pack_linears(model)
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -332,6 +337,17 @@ def test_completions_and_chat_equal_generate(server, client, reference):
     assert chat.choices[0].message.content == text_of(tokenizer, expected)
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(ids)  # as templated
+
+
+def test_stock_linears_on_request_equal_the_stock_model(model_dir, tmp_path):
+    """``--no-packed-linears`` serves with the model's own kernels: greedy answers equal the unpacked model's."""
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
+    with run_server(model_dir, tmp_path / "server.log", "--num-blocks", "64", "--no-packed-linears") as running:
+        stock_client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        answer = stock_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
 
 
 def test_streamed_text_joins_to_the_answer(server, client):
