@@ -106,3 +106,42 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, max_pa
     # row by row, the sliding layers still attend all rows at once: their last 12 columns hold little padding
     sliding = sum(kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or [])
     assert len(calls) == 20 * (model.config.num_hidden_layers if batched else sliding)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
+def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(monkeypatch, model_type):
+    # rows whose keys fill consecutive slots attend from views of the pool (no gather) while they do; once a row
+    # takes a block that is not next to its last one, the step gathers as before: the logits never change
+    monkeypatch.setattr(step_module, "ZERO_COPY_MAX_ROWS", 3)
+    model = tiny_model(model_type)
+    set_paged_attention(model)
+    views = []
+    original = block_attention._run_view
+    monkeypatch.setattr(block_attention, "_run_view", lambda *args: views.append(1) or original(*args))
+    batch = ragged_batch([0, 7, 13], 40, seed=3)
+    assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
+    assert views  # some steps read views
+
+
+def test_consecutive_runs():
+    slots = torch.tensor([[0, 0, 35, 36, 37], [16, 17, 18, 19, 20]])
+    real = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    assert step_module.consecutive_runs(slots, real) == [(35, 3), (16, 5)]
+    assert step_module.consecutive_runs(torch.tensor([[16, 17, 40, 41]]), torch.ones(1, 4, dtype=torch.bool)) is None
+    assert step_module.consecutive_runs(torch.tensor([[17, 16]]), torch.ones(1, 2, dtype=torch.bool)) is None
+    assert step_module.consecutive_runs(torch.tensor([[0, 0]]), torch.zeros(1, 2, dtype=torch.bool)) is None
+
+
+def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
+    # generate at batch size 1: the row's blocks are consecutive from the prefill on, so every decode step reads
+    # views of the pool (and returns before the gather)
+    model = tiny_model("llama")
+    set_paged_attention(model)
+    inputs = torch.tensor([[5, 9, 3, 7] * 6])  # 24 tokens: the decode steps cross into a third block
+    expected = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=DynamicCache(config=model.config))
+    views = []
+    original = block_attention._run_view
+    monkeypatch.setattr(block_attention, "_run_view", lambda *args: views.append(1) or original(*args))
+    paged = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=PagedCache(model))
+    assert torch.equal(paged, expected)
+    assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer

@@ -10,7 +10,8 @@ runs SDPA on them, with the grouped query heads folded into the query rows of th
 A decode step (one new token per row, all real) is the exception: there a per-row loop costs more than it
 saves (two gathers and one SDPA call per row and layer), so every row's keys are gathered in one padded
 ``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
-whole batch.
+whole batch. When every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a
+fresh batch), each row attends instead from a strided view of the pool, with no copy at all.
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
@@ -57,6 +58,9 @@ class PaddedKeys:
 
     rows: torch.Tensor  # [B * H * kv] rows of the flat [slots * H, D] storage, head-major per row (padding: null)
     mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
+    # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
+    # row attends from a view of the pool, with no copy (few rows only: see cache.step.ZERO_COPY_MAX_ROWS)
+    runs: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -187,17 +191,34 @@ def _attend_decode(
     heads = inputs.num_kv_heads
     groups = query_heads // heads
     scale = scaling if scaling is not None else key_dim**-0.5
-    with inputs.lock.shared():
-        keys = inputs.keys.index_select(0, padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
-        values = inputs.values.index_select(0, padded.rows).view(batch_size, heads, keys.shape[2], -1)
+    sink_logits = None if sinks is None else sinks.view(1, heads, groups, 1)
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, heads, groups, key_dim)
-    if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=padded.mask, dropout_p=dropout, scale=scale)
-    else:
-        sink_logits = None if sinks is None else sinks.view(1, heads, groups, 1)
-        out = explicit_attention(grouped, keys, values, padded.mask, scale, softcap, sink_logits, dropout)
+
+    def attend(row_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+        if softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
+
+    with inputs.lock.shared():
+        if padded.runs is not None:  # views of the storage: read them before letting the lock go
+            key_store = inputs.keys.view(-1, heads, key_dim)  # [slots, H, D]
+            value_store = inputs.values.view(-1, heads, inputs.values.shape[-1])  # [slots, H, Dv]
+            out = torch.cat([
+                attend(grouped[b : b + 1], _run_view(key_store, run), _run_view(value_store, run), None)
+                for b, run in enumerate(padded.runs)
+            ])  # [B, H, g, Dv]
+            return out.reshape(batch_size, 1, query_heads, -1)
+        keys = inputs.keys.index_select(0, padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
+        values = inputs.values.index_select(0, padded.rows).view(batch_size, heads, keys.shape[2], -1)
+    out = attend(grouped, keys, values, padded.mask)  # [B, H, g, Dv]
     return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
+
+
+def _run_view(storage: torch.Tensor, run: tuple[int, int]) -> torch.Tensor:
+    """``[1, H, n, D]``: the `n` consecutive slots from `first` of token-major ``[slots, H, D]`` storage, no copy."""
+    first, count = run
+    return storage[first : first + count].transpose(0, 1).unsqueeze(0)
 
 
 def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tensor, query_length: int) -> torch.Tensor:

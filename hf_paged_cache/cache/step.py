@@ -36,6 +36,19 @@ padded).
 """
 
 
+ZERO_COPY_MAX_ROWS = 16
+"""Rows up to which a decode step whose rows each hold their keys in consecutive slots attends each row from a
+view of the pool (`PaddedKeys.runs`) rather than gathering all rows into one padded SDPA call.
+
+A view saves the gather (the bytes `DynamicCache`'s ``cat`` moves at every step) but costs one SDPA call per
+row. Measured per layer on a 2-core AMD EPYC (SmolLM2-135M shapes: 3 KV heads of 64, 9 query heads; float32;
+views against gather and one call): one row of 512 tokens 73-137 us against 95-148 us; 16 rows of 100 to 400
+tokens 765-1,252 us against 771-2,085 us (one and two threads). A fresh cache's rows start in consecutive
+blocks, and a row alone keeps them (`generate` at batch size 1 reads views at every step); rows of a batch
+lose them once one takes a block that another row's run holds the next of.
+"""
+
+
 @dataclass
 class StepIndex:
     """Where one forward's tokens go and where every position is read from, on one device."""
@@ -112,7 +125,10 @@ class StepIndex:
                     positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
                     mask = mask & (positions > self.past_length - window)
                 rows = self.read_rows(offset, num_heads).reshape(-1)  # [B * H * kv]
-                padded = PaddedKeys(rows, mask[:, None, None, :])
+                runs = None
+                if window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
+                    runs = consecutive_runs(self.read_slots[:, offset:], mask)
+                padded = PaddedKeys(rows, mask[:, None, None, :], runs)
             self._padded[key] = padded
         return self._padded[key]
 
@@ -134,6 +150,22 @@ class StepIndex:
                 spans.append((past + int(index[0]), past + int(index[-1])) if len(index) else None)
             self._queries = QueryRows(positions, picked, spans)
         return self._queries
+
+
+def consecutive_runs(slots: torch.Tensor, is_real: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Each row's ``(first slot, count)`` when its real positions hold consecutive slots in order; else None.
+
+    Args:
+        slots: ``[B, kv]`` pool slot of every position; is_real: ``[B, kv]`` False for padding.
+    """
+    counts = is_real.sum(dim=1)  # [B]
+    if bool((counts == 0).any()):
+        return None
+    first = slots.masked_fill(~is_real, torch.iinfo(slots.dtype).max).min(dim=1).values  # [B]
+    expected = first.unsqueeze(1) + (is_real.cumsum(dim=1) - 1)  # [B, kv] the slot of each real position if consecutive
+    if not bool(((slots == expected) | ~is_real).all()):
+        return None
+    return list(zip(first.tolist(), counts.tolist()))
 
 
 def head_major_rows(slots: torch.Tensor, num_heads: int) -> torch.Tensor:
