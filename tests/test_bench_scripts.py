@@ -242,6 +242,24 @@ def test_bench_decode_fields(decode_result: dict[str, Any]) -> None:
                                              for v in ("paged", "paged_sdpa")}
 
 
+# -------------------------------------------------------------------------------------- bench_kernels
+
+
+def test_bench_kernels_fields(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--batch-sizes", "1,3", "--context", "20", "--repeats", "2"]
+    result = run_script("bench_kernels", args, results_dir / "bench_kernels.json")
+    assert result["packed_linears"] == sum(type(m) is torch.nn.Linear for m in tiny_model("llama").modules())
+    assert [r["batch_size"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        for part in ("decode", "head"):
+            timing = row[part]
+            for variant in ("stock", "packed"):
+                low, high = timing[f"{variant}_ms_range"]
+                assert 0 < low <= timing[f"{variant}_ms"] <= high
+            assert timing["speedup"] > 0
+        assert 0 <= row["max_abs_logit_diff"] < 1e-4 and row["greedy_tokens_agree"] is True
+
+
 # ----------------------------------------------------------------------------------------- bench_beam
 
 
