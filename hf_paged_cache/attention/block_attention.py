@@ -56,10 +56,11 @@ class QueryRows:
 class PaddedKeys:
     """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
 
-    rows: torch.Tensor  # [B * H * kv] rows of the flat [slots * H, D] storage, head-major per row (padding: null)
+    # [B * H * kv] rows of the flat [slots * H, D] storage, head-major per row (padding: null); None with `runs`
+    rows: torch.Tensor | None
     mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
-    # row attends from a view of the pool, with no copy (few rows only: see cache.step.ZERO_COPY_MAX_ROWS)
+    # row attends from a view of the pool, with no copy (up to cache.step.ZERO_COPY_MAX_ROWS rows)
     runs: list[tuple[int, int]] | None = None
 
 

@@ -124,10 +124,10 @@ class StepIndex:
                 if window is not None:
                     positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
                     mask = mask & (positions > self.past_length - window)
-                rows = self.read_rows(offset, num_heads).reshape(-1)  # [B * H * kv]
                 runs = None
                 if window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
                     runs = consecutive_runs(self.read_slots[:, offset:], mask)
+                rows = self.read_rows(offset, num_heads).reshape(-1) if runs is None else None  # [B * H * kv]
                 padded = PaddedKeys(rows, mask[:, None, None, :], runs)
             self._padded[key] = padded
         return self._padded[key]
