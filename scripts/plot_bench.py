@@ -216,7 +216,7 @@ def plot_http(data: dict[str, Any], out: Path) -> Path:
     c = data["contenders"]
     names = list(c)
     x = range(len(names))
-    fig, (speed, first, gaps) = plt.subplots(1, 3, figsize=(11, 3.8))
+    fig, (speed, first, gaps) = plt.subplots(1, 3, figsize=(max(11, 2.6 * len(names)), 3.8))
     speed.bar(names, [c[n]["tokens_per_s"] for n in names], color=[COLORS.get(n, "#1f77b4") for n in names])
     for i, n in enumerate(names):
         low, high = c[n]["tokens_per_s_range"]
