@@ -98,9 +98,7 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, max_pa
     monkeypatch.setattr(step_module, "DECODE_MAX_PADDING", max_padding)
     model = tiny_model(model_type)
     set_paged_attention(model)
-    calls = []
-    original = block_attention._attend_decode
-    monkeypatch.setattr(block_attention, "_attend_decode", lambda *args: calls.append(1) or original(*args))
+    calls = count_calls(monkeypatch, block_attention, "_attend_decode")
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     # row by row, the sliding layers still attend all rows at once: their last 12 columns hold little padding
@@ -115,9 +113,7 @@ def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(mon
     monkeypatch.setattr(step_module, "ZERO_COPY_MAX_ROWS", 3)
     model = tiny_model(model_type)
     set_paged_attention(model)
-    views = []
-    original = block_attention._run_view
-    monkeypatch.setattr(block_attention, "_run_view", lambda *args: views.append(1) or original(*args))
+    views = count_calls(monkeypatch, block_attention, "_run_view")
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     assert views  # some steps read views
@@ -139,9 +135,15 @@ def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
     set_paged_attention(model)
     inputs = torch.tensor([[5, 9, 3, 7] * 6])  # 24 tokens: the decode steps cross into a third block
     expected = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=DynamicCache(config=model.config))
-    views = []
-    original = block_attention._run_view
-    monkeypatch.setattr(block_attention, "_run_view", lambda *args: views.append(1) or original(*args))
+    views = count_calls(monkeypatch, block_attention, "_run_view")
     paged = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=PagedCache(model))
     assert torch.equal(paged, expected)
     assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer
+
+
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """A list that grows by one at each call of ``module.name`` (which still runs), for the test's duration."""
+    calls: list[int] = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(1) or original(*args))
+    return calls
