@@ -268,19 +268,19 @@ def test_a_reader_reenters_shared_while_a_writer_waits():
 def test_growth_resizes_storage_in_place_keeping_contents(llama):
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
-    keys, values = pool.layer(0, states, states)
+    keys, values = (stored.data for stored in pool.layer(0, states, states))
     assert keys.shape[0] == 2 * 4 and not keys[:4].any()  # the null block is zero
     [block] = pool.blocks.allocate(1)
     keys[block * 4 : block * 4 + 4] = 1.5
     values[block * 4 : block * 4 + 4] = -2.0
     more = pool.blocks.allocate(9)  # grows to max(2 + 9, 4) = 11 blocks
     assert pool.num_blocks == 11 and pool.grow_count == 1
-    same_keys, same_values = pool.layer(0, states, states)
+    same_keys, same_values = (stored.data for stored in pool.layer(0, states, states))
     assert same_keys is keys and same_values is values  # the same tensors, resized
     assert keys.shape[0] == 11 * 4 and values.shape[0] == 11 * 4
     assert not keys[:4].any() and (keys[4:8] == 1.5).all() and (values[4:8] == -2.0).all()
     assert pool.storage_bytes() == 2 * 11 * 4 * 2 * 16 * 4  # layer 1 has no storage yet
-    new_keys, _ = pool.layer(1, states, states)  # created at the current size
+    new_keys = pool.layer(1, states, states)[0].data  # created at the current size
     assert new_keys.shape[0] == 11 * 4 and max(more) < 11
 
 
@@ -289,7 +289,7 @@ def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes
 
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
-    keys, _ = pool.layer(0, states, states)
+    keys = pool.layer(0, states, states)[0].data
     held = pool.blocks.allocate(1)
     storage = pool.storage_bytes()
 
@@ -335,7 +335,7 @@ def test_a_grower_waits_for_a_layer_in_use(llama):
 
     thread = threading.Thread(target=grow)
     thread.start()
-    keys, _ = pool.layer(0, states, states)
+    keys = pool.layer(0, states, states)[0].data
     with pool.storage_lock.shared():  # what PagedCache.update holds while it writes and gathers
         entered.set()
         assert not grown.wait(timeout=0.2)  # the growth waits for this block to end

@@ -15,6 +15,8 @@ import torch
 from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
+from hf_paged_cache import PagedCache, set_paged_attention
+
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
@@ -24,6 +26,9 @@ def test_two_ranks_match_one_process(tmp_path):
     batch = ragged_batch([0, 3], 10)
     (tmp_path / "model" / "batch.json").write_text(json.dumps({k: v.tolist() for k, v in batch.items()}))
     expected = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=DynamicCache(config=model.config))
+    set_paged_attention(model)
+    with PagedCache(model, kv_dtype="int8") as cache:  # each rank quantizes its own heads: the same values
+        expected_int8 = model.generate(**batch, max_new_tokens=12, do_sample=False, cache=cache)
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
@@ -43,3 +48,4 @@ def test_two_ranks_match_one_process(tmp_path):
         assert result["kv_heads"] == [1, 1]  # each rank holds half of the 2 KV heads of each layer
         for name in ("dynamic", "paged", "paged_sdpa"):
             assert torch.equal(torch.tensor(result[name]), expected), name
+        assert torch.equal(torch.tensor(result["paged_sdpa_int8"]), expected_int8)

@@ -1,8 +1,8 @@
 """One rank of the tensor-parallel test: loads a saved tiny Llama with ``tp_plan="auto"`` and generates.
 
 Run by `test_tensor_parallel.py` through ``torchrun --nproc-per-node 2 tests/tp_worker.py MODEL_DIR OUT_DIR``;
-each rank writes its greedy tokens (a ragged batch, with DynamicCache, PagedCache and PagedCache under
-paged_sdpa) and its pool's KV heads to ``OUT_DIR/rank{R}.json``.
+each rank writes its greedy tokens (a ragged batch, with DynamicCache, PagedCache, and PagedCache under
+paged_sdpa storing the model's dtype and int8) and its pool's KV heads to ``OUT_DIR/rank{R}.json``.
 """
 
 import json
@@ -30,6 +30,8 @@ def main(model_dir: str, out_dir: str) -> None:
     set_paged_attention(model)
     with PagedCache(model) as cache:
         result["paged_sdpa"] = model.generate(**kwargs, cache=cache).tolist()
+    with PagedCache(model, kv_dtype="int8") as cache:
+        result["paged_sdpa_int8"] = model.generate(**kwargs, cache=cache).tolist()
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

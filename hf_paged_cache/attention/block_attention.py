@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 
 PAGED_INPUTS = "paged_attention_inputs"
@@ -68,8 +69,8 @@ class PaddedKeys:
 class PagedAttentionInputs:
     """What `paged_sdpa` needs to attend to one layer's keys and values in the pool."""
 
-    keys: torch.Tensor  # [slots * H, key_dim] the layer's flat key storage
-    values: torch.Tensor  # [slots * H, value_dim]
+    keys: StoredStates  # the layer's stored keys: rows (slot * H + head) of [slots * H, key_dim], read as the model's dtype
+    values: StoredStates  # [slots * H, value_dim] likewise
     num_kv_heads: int
     row_keys: RowKeys
     queries: QueryRows
@@ -138,7 +139,7 @@ def attend_from_pool(
     batch_size, query_heads, query_length, _ = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
-    key_dim, value_dim = inputs.keys.shape[-1], inputs.values.shape[-1]
+    key_dim, value_dim = inputs.keys.dim, inputs.values.dim
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     row_sinks = None if sinks is None else sinks.view(1, heads, groups, 1)  # [1, H, g, 1]
     outs = []
@@ -203,15 +204,14 @@ def _attend_decode(
 
     with inputs.lock.shared():
         if padded.runs is not None:  # views of the storage: read them before letting the lock go
-            key_store = inputs.keys.view(-1, heads, key_dim)  # [slots, H, D]
-            value_store = inputs.values.view(-1, heads, inputs.values.shape[-1])  # [slots, H, Dv]
+            key_store, value_store = inputs.keys.plain, inputs.values.plain  # [slots, H, D], [slots, H, Dv]
             out = torch.cat([
                 attend(grouped[b : b + 1], _run_view(key_store, run), _run_view(value_store, run), None)
                 for b, run in enumerate(padded.runs)
             ])  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
-        keys = inputs.keys.index_select(0, padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
-        values = inputs.values.index_select(0, padded.rows).view(batch_size, heads, keys.shape[2], -1)
+        keys = inputs.keys.gather(padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
+        values = inputs.values.gather(padded.rows).view(batch_size, heads, keys.shape[2], -1)
     out = attend(grouped, keys, values, padded.mask)  # [B, H, g, Dv]
     return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
 
@@ -234,10 +234,10 @@ def _row_keys_and_values(
     inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """Row `row`'s keys ``[1, H, n, D]``, values ``[1, H, n, Dv]``, their positions ``[n]`` and first/last one."""
-    heads, key_dim, value_dim = inputs.num_kv_heads, inputs.keys.shape[-1], inputs.values.shape[-1]
+    heads, key_dim, value_dim = inputs.num_kv_heads, inputs.keys.dim, inputs.values.dim
     rows = inputs.row_keys.rows[row]  # [H * n] head-major storage rows
-    keys = inputs.keys.index_select(0, rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
-    values = inputs.values.index_select(0, rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+    keys = inputs.keys.gather(rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
+    values = inputs.values.gather(rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
     positions, span = inputs.row_keys.positions[row], inputs.row_keys.spans[row]
     if inputs.new_states is None:
         return keys, values, positions, span

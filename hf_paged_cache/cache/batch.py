@@ -261,13 +261,12 @@ class PagedBatch:
     def dense(self, layer_idx: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values from position `offset` on, as last committed: dense
         ``[B, H, L - offset, D]`` copies. Call under `lock`."""
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        if keys is None:
-            raise ValueError(f"layer {layer_idx} has stored nothing yet")
+        keys, values = self.pool.stored(layer_idx)  # ValueError if the layer has stored nothing yet
+        device = keys.data.device
         views, is_real = self.committed()
-        table = views[self.pool.group_of[layer_idx]].as_tensor(keys.device)  # [B, max_blocks]
-        slots = slots_for_positions(table, is_real.to(keys.device), self.pool.block_size)  # [B, L]
-        rows = head_major_rows(slots[:, offset:], keys.shape[1])  # [B, H, L - offset]
+        table = views[self.pool.group_of[layer_idx]].as_tensor(device)  # [B, max_blocks]
+        slots = slots_for_positions(table, is_real.to(device), self.pool.block_size)  # [B, L]
+        rows = head_major_rows(slots[:, offset:], keys.num_heads)  # [B, H, L - offset]
         with self.pool.storage_lock.shared():
             return gather(keys, rows), gather(values, rows)
 

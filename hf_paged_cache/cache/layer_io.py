@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs
+from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 from .step import StepIndex
 
 
 def store_layer(
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: StoredStates,
+    values: StoredStates,
     key_states: torch.Tensor,
     value_states: torch.Tensor,
     index: StepIndex,
@@ -31,7 +32,7 @@ def store_layer(
     """Write a layer's new K/V into its storage and return what ``cache.update`` returns.
 
     Args:
-        keys, values: the layer's flat ``[slots, heads, dim]`` storage.
+        keys, values: the layer's stored keys and values (``[slots, heads, dim]``, in the pool's format).
         key_states, value_states: ``[B, heads, q, dim]`` the step's new keys and values.
         offset: the first position the layer attends to (its window's, before this step).
         attention_kwargs: the dict transformers hands the attention function, when attention reads from the
@@ -43,13 +44,12 @@ def store_layer(
         write_new_tokens(values, value_states, index)
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
-        heads = keys.shape[1]
+        heads = keys.num_heads
         if attention_kwargs is not None:
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
-                keys.view(-1, keys.shape[-1]), values.view(-1, values.shape[-1]), heads,
-                index.row_keys(offset, heads), index.queries(), window, lock,
+                keys, values, heads, index.row_keys(offset, heads), index.queries(), window, lock,
                 (key_states, value_states) if index.new_from_states else None,
-                index.decode_keys(offset, heads, window),
+                index.decode_keys(offset, heads, window, views=keys.plain is not None and values.plain is not None),
             )
             return key_states, value_states
         rows = index.read_rows(offset, heads)  # [B, H, kv], keys and values alike
@@ -59,16 +59,15 @@ def store_layer(
     return dense
 
 
-def write_new_tokens(storage: torch.Tensor, new: torch.Tensor, index: StepIndex) -> None:
-    """Store a layer's new keys (or values) ``[B, H, q, D]`` into its flat ``[slots, H, D]`` storage."""
-    batch_size, _, query_length, _ = new.shape
-    new = new.transpose(1, 2).reshape(batch_size * query_length, *storage.shape[1:])  # [B * q, H, D]
+def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: StepIndex) -> None:
+    """Store a layer's new keys (or values) ``[B, H, q, D]`` into its ``[slots, H, D]`` storage."""
+    batch_size, heads, query_length, dim = new.shape
+    new = new.transpose(1, 2).reshape(batch_size * query_length, heads, dim)  # [B * q, H, D]
     if index.write_rows is not None:
         new = new.index_select(0, index.write_rows)  # [N, H, D] real tokens only
-    storage.index_copy_(0, index.write_slots, new.detach())  # the pool never joins an autograd graph
+    storage.write(index.write_slots, new)
 
 
-def gather(storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def gather(storage: StoredStates, rows: torch.Tensor) -> torch.Tensor:
     """Dense ``[B, H, kv_length, D]`` K or V: rows `rows` ``[B, H, kv_length]`` of the flat ``[slots * H, D]``."""
-    dim = storage.shape[-1]
-    return storage.view(-1, dim).index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # [B, H, kv, D]
+    return storage.gather(rows.reshape(-1)).view(*rows.shape, storage.dim)  # [B, H, kv, D]

@@ -37,6 +37,11 @@ class PagedCache(BlockSharing, Cache):
         num_blocks: size of a new pool in blocks (block 0 is reserved).
         max_memory: size of a new pool as a byte budget: an int or a string like ``"512MiB"``.
         pool: an existing `KVPool` to share with other caches.
+        kv_dtype: how a new pool stores keys and values: None (the default) as the model computes them;
+            ``"int8"`` or ``"float8_e4m3fn"`` (8-bit elements with a float32 scale per token and head, about
+            a quarter of float32's bytes); ``"bfloat16"`` or ``"float16"`` (a plain cast). Reads give the
+            model's dtype back, so attention computes as before, from rounded keys and values. A shared
+            `pool` brings its own (`KVPool.kv_format`). `ValueError` for any other name.
         manual_commit: keep a forward's step pending once it has run, until `commit()` keeps it or `settle()`
             drops it (a continuous batcher commits a step only once every request in it has its token).
 
@@ -62,6 +67,7 @@ class PagedCache(BlockSharing, Cache):
         max_memory: int | str | None = None,
         pool: KVPool | None = None,
         manual_commit: bool = False,
+        kv_dtype: str | torch.dtype | None = None,
     ):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
         config = model.config if model is not None else config_or_model
@@ -70,7 +76,7 @@ class PagedCache(BlockSharing, Cache):
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
-        self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory)
+        self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
@@ -313,16 +319,20 @@ def _pool_for(
     block_size: int,
     num_blocks: int | None,
     max_memory: int | str | None,
+    kv_dtype: str | torch.dtype | None,
 ) -> KVPool:
-    """The given `pool`, checked against the model's layers, or a new one of the requested size."""
+    """The given `pool`, checked against the model's layers, or a new one of the requested size and format."""
     if pool is None:
         dtype = _model_dtype(model, config)
         layout = KVLayout.from_model(model) if model is not None else None  # tensor-parallel ranks: their heads
         return KVPool.for_config(
-            config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype, layout=layout
+            config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype, layout=layout,
+            kv_dtype=kv_dtype,
         )
     if num_blocks is not None or max_memory is not None:
         raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
+    if kv_dtype is not None:
+        raise ValueError("pass either pool= or kv_dtype=, not both: a shared pool stores keys and values its own way")
     if pool.layout.num_layers != len(windows):
         raise ValueError(
             f"the pool was built for {pool.layout.num_layers} layers but {config.model_type!r} has "

@@ -62,7 +62,7 @@ class StepIndex:
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
     _row_keys: dict[tuple[int, int], RowKeys] = field(default_factory=dict)  # row_keys, per (offset, heads)
     _queries: QueryRows | None = None
-    _padded: dict[tuple[int, int, int | None], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
+    _padded: dict[tuple[int, int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
 
     @property
     def pool_end(self) -> int:
@@ -104,17 +104,17 @@ class StepIndex:
             )
         return keys
 
-    def decode_keys(self, offset: int, num_heads: int, window: int | None) -> PaddedKeys | None:
+    def decode_keys(self, offset: int, num_heads: int, window: int | None, views: bool = True) -> PaddedKeys | None:
         """For a decode step (one real new token per row, every key in the pool): the padded keys, else None.
 
         Positions ``offset:pool_end`` in the cache's column layout; the mask keeps real keys inside the window
         of the query at position ``L``. None too when the rows carry more than `DECODE_MAX_PADDING` padding
         positions each on average: then the per-row path, which skips padding, is cheaper. Computed once per
-        step for all layers alike.
+        step for all layers alike. `views`: whether the storage can be read as views (stored as the model computes).
         """
         if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
             return None
-        key = (offset, num_heads, window)
+        key = (offset, num_heads, window, views)
         if key not in self._padded:
             padded = None
             mask = self.is_real[:, offset:]  # [B, kv]
@@ -125,7 +125,7 @@ class StepIndex:
                     positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
                     mask = mask & (positions > self.past_length - window)
                 runs = None
-                if window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
+                if views and window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
                     runs = consecutive_runs(self.read_slots[:, offset:], mask)
                 rows = self.read_rows(offset, num_heads).reshape(-1) if runs is None else None  # [B * H * kv]
                 padded = PaddedKeys(rows, mask[:, None, None, :], runs)

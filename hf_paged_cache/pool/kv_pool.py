@@ -58,6 +58,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import KVMemoryError
 from .block_pool import FIXED, NULL_BLOCK, BlockPool, as_count
+from .kv_format import SCALE_DTYPE, StoredStates, kv_format, writable
 from .locks import SharedExclusiveLock
 from .memory import (
     KVLayout,
@@ -81,7 +82,12 @@ class KVPool:
     ``[num_blocks * block_size, heads, dim]`` view and a gather by slot id (``block * block_size + offset``)
     yields ``[tokens, heads, dim]`` directly, with no per-head strides to undo.
 
-    A layer's tensors are created, in the pool's dtype, on the device of the first key states it stores, so
+    Keys and values are stored in `kv_format` (`kv_dtype`: by default the model's `dtype` itself; ``"int8"``,
+    ``"float8_e4m3fn"`` with a scale per token and head, or another float type; see `pool.kv_format`), and
+    read back in `dtype`. An 8-bit format also keeps ``[num_blocks * block_size, heads, 1]`` float32 scales per
+    layer (`key_scales`, `value_scales`; None otherwise), which grow, copy and count with their tensors.
+
+    A layer's tensors are created on the device of the first key states it stores, so
     a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache`
     objects can share one pool; they share its blocks through reference counts in `blocks`.
 
@@ -100,9 +106,11 @@ class KVPool:
         block_size: int = 16,
         dtype: torch.dtype,
         max_blocks: int | None = FIXED,
+        kv_dtype: str | torch.dtype | None = None,
     ):
         self.layout = layout
-        self.dtype = dtype
+        self.dtype = dtype  # what the model computes and reads back
+        self.kv_format = kv_format(kv_dtype, dtype)  # how keys and values are stored
         self.storage_lock = SharedExclusiveLock()
         self.layer_groups = layout.groups
         self.group_of = layout.group_of()  # each layer's index in `groups`
@@ -120,6 +128,8 @@ class KVPool:
                            if len(set(sizes)) == 1 else f": {sizes} blocks per layer group")
         self.keys: list[torch.Tensor | None] = [None] * layout.num_layers
         self.values: list[torch.Tensor | None] = [None] * layout.num_layers
+        self.key_scales: list[torch.Tensor | None] = [None] * layout.num_layers  # scaled formats only
+        self.value_scales: list[torch.Tensor | None] = [None] * layout.num_layers
         self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
 
     @classmethod
@@ -132,10 +142,12 @@ class KVPool:
         max_memory: int | str | None = None,
         dtype: torch.dtype = torch.float32,
         layout: KVLayout | None = None,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> KVPool:
         """A pool for `config`: fixed at `num_blocks` or at what a `max_memory` budget buys, else elastic.
 
-        `layout` (default: the config's) gives the shapes the model really runs (`KVLayout.from_model`:
+        `kv_dtype` is how keys and values are stored (see the class docstring); a budget buys blocks of that
+        format. `layout` (default: the config's) gives the shapes the model really runs (`KVLayout.from_model`:
         a tensor-parallel rank holds a share of the heads).
 
         With neither, each group starts with what one sequence of the model's full context
@@ -148,18 +160,19 @@ class KVPool:
         if num_blocks is not None and max_memory is not None:
             raise ValueError("pass num_blocks or max_memory, not both")
         layout = layout or KVLayout.from_config(config)
+        stored = kv_format(kv_dtype, dtype)
         if max_memory is not None:
-            num_blocks = blocks_for_budget(max_memory, layout, block_size, dtype)
-            per_block = bytes_per_block(layout, block_size, dtype)
+            num_blocks = blocks_for_budget(max_memory, layout, block_size, stored)
+            per_block = bytes_per_block(layout, block_size, stored)
             check_fits_machine(
                 num_blocks * per_block, f"max_memory={max_memory!r}", f": {num_blocks:,} blocks x {per_block:,} bytes"
             )
         if num_blocks is not None:
-            return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+            return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype)
         context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
         tokens = min(context, ELASTIC_START_TOKENS)
         starts = [group.max_blocks_per_row(tokens, block_size) + 1 for group in layout.groups]
-        return cls(layout, num_blocks=starts, block_size=block_size, dtype=dtype, max_blocks=None)
+        return cls(layout, num_blocks=starts, block_size=block_size, dtype=dtype, max_blocks=None, kv_dtype=kv_dtype)
 
     @property
     def blocks(self) -> BlockPool:
@@ -192,17 +205,18 @@ class KVPool:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block in every group: what a token costs when every group keeps it."""
-        return bytes_per_block(self.layout, self.block_size, self.dtype)
+        return bytes_per_block(self.layout, self.block_size, self.kv_format)
 
     def group_bytes_per_block(self, group: int) -> int:
         """Bytes of one block of group `group` (its layers only)."""
-        return bytes_per_block(self.layout, self.block_size, self.dtype, self.layer_groups[group])
+        return bytes_per_block(self.layout, self.block_size, self.kv_format, self.layer_groups[group])
 
     def _bytes_for(self, group_blocks: Sequence[int]) -> int:
         return sum(n * self.group_bytes_per_block(g) for g, n in enumerate(group_blocks))
 
-    def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's ``[num_blocks * block_size, heads, dim]`` key and value tensors, created on first use.
+    def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[StoredStates, StoredStates]:
+        """This layer's stored keys and values (`StoredStates` over its ``[num_blocks * block_size, heads, dim]``
+        tensors), created on first use.
 
         The tensors are the layer's storage for the pool's life (growth resizes them in place); hold
         `storage_lock.shared()` while reading or writing them from threads that share the pool. Creating them takes `storage_lock.exclusive()`: do not call this for a layer without
@@ -235,7 +249,8 @@ class KVPool:
             with self._exclusive(f"creating layer {layer_idx}'s storage"):
                 if self.keys[layer_idx] is None:
                     blocks = max(num_blocks, self._storage_blocks[group])
-                    keys, values = self._create(layer_idx, shape, key_states.device, blocks)
+                    keys, values, key_scales, value_scales = self._create(layer_idx, shape, key_states.device, blocks)
+                    self.key_scales[layer_idx], self.value_scales[layer_idx] = key_scales, value_scales
                     self.values[layer_idx] = values  # first: whoever sees the keys (read unlocked) sees the values
                     self.keys[layer_idx] = keys
                 else:  # only if the id space grew without the hook (never for a pool built here)
@@ -245,7 +260,22 @@ class KVPool:
             raise ValueError(
                 f"layer {layer_idx} ran on {key_states.device} but its pool storage lives on {keys.device}"
             )
-        return keys, self.values[layer_idx]
+        return self.stored(layer_idx)
+
+    def stored(self, layer_idx: int) -> tuple[StoredStates, StoredStates]:
+        """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `layer`)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or values is None:
+            raise ValueError(f"layer {layer_idx} has stored nothing yet")
+        return (
+            StoredStates(keys, self.key_scales[layer_idx], self.kv_format, self.dtype),
+            StoredStates(values, self.value_scales[layer_idx], self.kv_format, self.dtype),
+        )
+
+    def _layer_tensors(self, layer_idx: int) -> list[tuple[str, torch.Tensor | None]]:
+        """Every tensor layer `layer_idx` stores (keys, values and their scales), with its name."""
+        return [("keys", self.keys[layer_idx]), ("values", self.values[layer_idx]),
+                ("key scales", self.key_scales[layer_idx]), ("value scales", self.value_scales[layer_idx])]
 
     def copy_blocks(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
         """Copy each ``(src, dst)`` block of group `group` in its layers that have storage (copy-on-write,
@@ -260,16 +290,19 @@ class KVPool:
                 for layer_idx in layers:
                     self._grow_layer(layer_idx, num_blocks)
         with self.storage_lock.shared():
-            for storage in (*(self.keys[i] for i in layers), *(self.values[i] for i in layers)):
+            for storage in (tensor for i in layers for _, tensor in self._layer_tensors(i)):
                 if storage is None:
                     continue
                 src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
                 dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)], device=storage.device)
+                storage = writable(storage)  # float8 has no CPU index_copy_: its bytes do
                 storage.index_copy_(0, dst, storage.index_select(0, src))
 
     def storage_bytes(self) -> int:
-        """Bytes of K/V tensors allocated so far (layers are created lazily; an elastic pool's grow with it)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        """Bytes of K/V tensors (and scales) allocated so far (layers are created lazily; an elastic pool's grow
+        with it)."""
+        tensors = (tensor for i in range(self.layout.num_layers) for _, tensor in self._layer_tensors(i))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ------------------------------------------------------------------ growth
 
@@ -304,7 +337,7 @@ class KVPool:
     def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
         """Resize layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
         rows = num_blocks * self.block_size
-        for name, tensor in (("keys", self.keys[layer_idx]), ("values", self.values[layer_idx])):
+        for name, tensor in self._layer_tensors(layer_idx):
             if tensor is None or tensor.shape[0] >= rows:
                 continue
             nbytes = rows * tensor[0].numel() * tensor.element_size()
@@ -327,17 +360,21 @@ class KVPool:
 
     def _create(
         self, layer_idx: int, shape: LayerShape, device: torch.device, num_blocks: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """New ``(keys, values)`` tensors of `num_blocks` blocks for layer `layer_idx`, the null block zeroed."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """New ``(keys, values, key_scales, value_scales)`` tensors of `num_blocks` blocks for layer
+        `layer_idx`, the null block zeroed (scales: None for a plain format)."""
         slots = num_blocks * self.block_size
+        stored = self.kv_format
+        stored.check_device(device)
         try:
-            keys = _empty((slots, shape.num_heads, shape.key_dim), self.dtype, device)
-            values = _empty((slots, shape.num_heads, shape.value_dim), self.dtype, device)
+            keys = _empty((slots, shape.num_heads, shape.key_dim), stored.storage, device)
+            values = _empty((slots, shape.num_heads, shape.value_dim), stored.storage, device)
+            scales = [_empty((slots, shape.num_heads, 1), SCALE_DTYPE, device) if stored.scaled else None
+                      for _ in range(2)]
         except (RuntimeError, MemoryError) as error:
             if not _out_of_memory(error):
                 raise
-            itemsize = torch.empty((), dtype=self.dtype).element_size()
-            nbytes = slots * shape.num_heads * (shape.key_dim + shape.value_dim) * itemsize
+            nbytes = slots * shape.num_heads * (stored.vector_bytes(shape.key_dim) + stored.vector_bytes(shape.value_dim))
             raise KVMemoryError(
                 f"creating layer {layer_idx}'s KV storage ({num_blocks:,} blocks of {self.block_size} tokens) needs "
                 f"{nbytes:,} bytes ({format_memory(nbytes)}) on {device}, which it could not allocate ({error}). "
@@ -347,16 +384,18 @@ class KVPool:
             ) from error
         null = slice(NULL_BLOCK * self.block_size, (NULL_BLOCK + 1) * self.block_size)
         with torch.inference_mode(False):
-            keys[null] = 0  # padding reads the null block: keep it finite
-            values[null] = 0
-        return keys, values
+            for tensor in (keys, values, *scales):  # padding reads the null block: keep it finite
+                if tensor is not None:
+                    tensor[null] = 0
+        return keys, values, *scales
 
     def __repr__(self) -> str:
         size = f"num_blocks={self.num_blocks}, " + (
             f"elastic (grown {self.grow_count}x)" if self.is_elastic else f"max_blocks={self.max_blocks}"
         )
+        stored = "" if self.kv_format.storage == self.dtype else f", kv_dtype={self.kv_format.name}"
         return (
-            f"KVPool({size}, block_size={self.block_size}, dtype={self.dtype}, layers={self.layout.num_layers}, "
+            f"KVPool({size}, block_size={self.block_size}, dtype={self.dtype}{stored}, layers={self.layout.num_layers}, "
             f"free={self.blocks.num_free}, storage={format_memory(self.storage_bytes())})"
         )
 

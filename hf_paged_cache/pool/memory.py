@@ -8,7 +8,8 @@ layers, `H` key/value heads of width `D`, blocks of `T` tokens and a dtype of `s
 
 (the 2 is one key and one value vector per token, head and layer). Models whose key and value widths
 differ (DeepSeek-V3 caches a compressed latent and a rotary key) use `H x (D_key + D_value)` instead of
-`2 x H x D`, summed over layers. A row of `n` tokens holds ``ceil(n / T)`` blocks of a full-attention
+`2 x H x D`, summed over layers. Keys and values stored as 8-bit elements with a scale per token and head
+(`kv_format.KVFormat`) cost `D + 4` bytes per vector instead of `D x s`. A row of `n` tokens holds ``ceil(n / T)`` blocks of a full-attention
 group and at most ``ceil(W / T) + 1`` blocks of a sliding group of window `W` (its last ``W - 1``
 positions, plus the block a new token opens).
 """
@@ -25,6 +26,8 @@ import psutil
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .kv_format import KVFormat
 
 _UNITS = {
     "": 1,
@@ -208,11 +211,13 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def bytes_per_token(self, dtype: torch.dtype, group: LayerGroup | None = None) -> int:
-        """Bytes one token costs across all layers, or across `group`'s layers (keys and values)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(self, dtype: torch.dtype | KVFormat, group: LayerGroup | None = None) -> int:
+        """Bytes one token costs across all layers, or across `group`'s layers (keys and values), stored as
+        `dtype` (a plain dtype, or a `KVFormat`: its scales included)."""
+        kv = dtype if isinstance(dtype, KVFormat) else KVFormat(str(dtype), dtype)
         layers = self.layers if group is None else [self.layers[i] for i in group.layers]
-        return sum(layer.num_heads * (layer.key_dim + layer.value_dim) for layer in layers) * itemsize
+        return sum(layer.num_heads * (kv.vector_bytes(layer.key_dim) + kv.vector_bytes(layer.value_dim))
+                   for layer in layers)
 
 
 def _key_head_shares(model: PreTrainedModel, num_layers: int) -> list[tuple[int, int]]:
@@ -236,12 +241,12 @@ def _key_head_shares(model: PreTrainedModel, num_layers: int) -> list[tuple[int,
     return [shares[i] for i in range(num_layers)]
 
 
-def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype, group: LayerGroup | None = None) -> int:
+def bytes_per_block(layout: KVLayout, block_size: int, dtype: torch.dtype | KVFormat, group: LayerGroup | None = None) -> int:
     """``2 x layers x kv_heads x head_dim x block_size x dtype bytes``, over all layers or one group's."""
     return layout.bytes_per_token(dtype, group) * block_size
 
 
-def blocks_for_budget(max_memory: int | str, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+def blocks_for_budget(max_memory: int | str, layout: KVLayout, block_size: int, dtype: torch.dtype | KVFormat) -> int:
     """How many blocks (the reserved null block included) fit in `max_memory` bytes."""
     budget = parse_memory(max_memory)
     per_block = bytes_per_block(layout, block_size, dtype)
