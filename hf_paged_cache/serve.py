@@ -29,6 +29,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .models import load_model_and_tokenizer
+from .pool.kv_format import KV_DTYPES
 from .pool.memory import parse_memory
 
 if TYPE_CHECKING:  # the serve extra may be missing: main() imports these only when it runs
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--num-blocks", type=_positive, help="KV blocks in every layer group (default: elastic pool)")
     pool.add_argument("--max-memory", type=_memory, help="KV memory for the pool, e.g. 2GiB (default: elastic pool)")
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES,
+                        help="how the pool stores keys and values: int8 or float8_e4m3fn (8 bits and a scale per "
+                             "token and head: about 4x the tokens of float32 in --max-memory), bfloat16, float16 "
+                             "(default: as the model computes them, exact)")
     parser.add_argument("--max-running", type=_positive, help="most requests in flight at once (default: 64)")
     parser.add_argument("--max-waiting", type=_positive, default=256,
                         help="most requests waiting to start; more get 429 (default: 256)")
@@ -130,7 +135,7 @@ def load_engine(options: argparse.Namespace, chat_template: str | None, metrics:
     batcher = ContinuousBatcher(
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
-        tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens,
+        tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
     )
     engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
                           metrics=metrics)
@@ -156,11 +161,11 @@ def _log_pool(batcher: Any, max_model_len: int) -> None:
     for index, (group, blocks) in enumerate(zip(pool.layer_groups, pool.groups)):
         per_block = pool.group_bytes_per_block(index)
         if pool.is_elastic:
-            logger.info("KV pool, %s: elastic (grows as needed), blocks of %d tokens, %s B each", group.name,
-                        pool.block_size, f"{per_block:,}")
+            logger.info("KV pool, %s: elastic (grows as needed), %s keys and values, blocks of %d tokens, %s B each",
+                        group.name, pool.kv_format.name, pool.block_size, f"{per_block:,}")
         else:
-            logger.info("KV pool, %s: %s blocks of %d tokens, %s B each (%s B in all); holds %s tokens", group.name,
-                        f"{blocks.capacity:,}", pool.block_size, f"{per_block:,}",
+            logger.info("KV pool, %s: %s blocks of %d tokens, %s keys and values, %s B each (%s B in all); holds %s "
+                        "tokens", group.name, f"{blocks.capacity:,}", pool.block_size, pool.kv_format.name, f"{per_block:,}",
                         f"{blocks.capacity * per_block:,}", f"{blocks.capacity * pool.block_size:,}")
     logger.info("context: %d tokens per request (prompt and answer)", max_model_len)
 

@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai", reason="the server tests need the openai 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="the server needs its extra: pip install -e '.[serve]'")
 
-from hf_paged_cache import ContinuousBatcher  # noqa: E402
+from hf_paged_cache import ContinuousBatcher, PagedCache  # noqa: E402
 from hf_paged_cache.kernels import pack_linears  # noqa: E402
 from hf_paged_cache.serving.http.engine import EngineClient, GenerationOptions  # noqa: E402
 from hf_paged_cache.serving.http.penalties import PresenceFrequencyPenalty  # noqa: E402
@@ -348,6 +348,23 @@ def test_stock_linears_on_request_equal_the_stock_model(model_dir, tmp_path):
         stock_client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         answer = stock_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
+
+
+def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(model_dir, reference, tmp_path):
+    """``--kv-dtype int8`` serves from an int8 pool: greedy answers equal `generate` with an int8 `PagedCache`."""
+    model, tokenizer = reference
+    prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
+    expected = []
+    for ids in prompts:
+        input_ids = torch.tensor([ids])
+        with PagedCache(model, kv_dtype="int8") as cache:
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=12, cache=cache)
+        expected.append(text_of(tokenizer, out[0, len(ids):].tolist()))
+    with run_server(model_dir, tmp_path / "server.log", "--max-memory", "1MiB", "--kv-dtype", "int8") as running:
+        int8_client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        answer = int8_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in answer.choices] == expected
 
 
 def test_streamed_text_joins_to_the_answer(server, client):

@@ -72,6 +72,8 @@ class ContinuousBatcher:
             architecture allows (`set_paged_attention`), which keeps results exact.
         pool: a `KVPool` to share (else a new one of `num_blocks` / `max_memory`, or elastic with neither).
         block_size: tokens per block of a new pool.
+        kv_dtype: how a new pool stores keys and values (`PagedCache`'s `kv_dtype`: ``"int8"``, say, holds
+            about four times the tokens of float32 in the same memory).
         max_running: most requests in flight (prefilling or decoding) at once.
         max_waiting: most requests submitted and not started; `submit` raises `QueueFullError` beyond it
             (None: no bound).
@@ -103,6 +105,7 @@ class ContinuousBatcher:
         tokenizer: Any = None,
         reserve_new_tokens: bool = True,
         pack_steps: bool = True,
+        kv_dtype: str | torch.dtype | None = None,
     ):
         self.model = model
         if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -111,7 +114,8 @@ class ContinuousBatcher:
             except NotImplementedError:
                 pass  # e.g. Falcon: its own attention reads the dense K/V; results are exact either way
         running_cache = PagedCache(
-            model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool, manual_commit=True
+            model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool, manual_commit=True,
+            kv_dtype=kv_dtype,
         )
         self.pool = running_cache.pool
         self.tokenizer = tokenizer
@@ -294,7 +298,7 @@ def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torc
 
 _BATCHER_ARGUMENTS = (
     "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_waiting", "max_step_tokens", "tokenizer",
-    "reserve_new_tokens", "pack_steps",
+    "reserve_new_tokens", "pack_steps", "kv_dtype",
 )
 
 
