@@ -7,6 +7,8 @@ each layer group ``g`` (layers caching the same span: full attention, or a slidi
 
     per token (g)  = sum over g's layers of kv_heads x (key_dim + value_dim) x s   (KVLayout)
     per block (g)  = per token (g) x block_size                                    (bytes_per_block)
+                     (PagedCache with kv_dtype int8 / float8_e4m3fn: s = 1 and 4 bytes of scale per head
+                     vector, i.e. kv_heads x (key_dim + 4 + value_dim + 4) per layer and token)
     DynamicCache   = B x sum_g per_token_g x D_g   (rows left-padded to P)
                      D = P + n (full);  min(P + n, W - 1) (sliding: DynamicSlidingWindowLayer)
     StaticCache    = B x sum_g per_token_g x S_g   (M = max_cache_len, default P + n)
@@ -47,6 +49,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig
 
 from .config_limits import check_config_dict, load_config, one_line
 from .models import DEFAULT_MODEL, resolve_model_path
+from .pool.kv_format import KV_DTYPES, KVFormat, kv_format
 from .pool.memory import (
     KVLayout,
     LayerGroup,
@@ -111,6 +114,7 @@ class MemoryPlan:
 
     model: str
     dtype: str
+    kv_dtype: str  # how PagedCache stores keys and values (the dense caches store `dtype`)
     block_size: int
     prompt_lens: tuple[int, ...]  # one per row
     new_tokens: int
@@ -212,6 +216,7 @@ def plan_memory(
     prompt_lens: int | Sequence[int] = DEFAULT_PROMPT_LEN,
     new_tokens: int = DEFAULT_NEW_TOKENS,
     dtype: str | torch.dtype = DEFAULT_DTYPE,
+    kv_dtype: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     max_memory: int | str | None = None,
     num_blocks: int | None = None,
@@ -228,7 +233,8 @@ def plan_memory(
     PagedCache's fit is that of a fixed pool (`PoolFit`): `num_blocks` blocks in every layer group, else what
     ``max_memory - weights`` buys (as ``PagedCache(model, max_memory=...)`` or ``ContinuousBatcher`` build it).
     With both, the pool must fit beside the weights (`ValueError` if not). DynamicCache's and StaticCache's fit
-    need `max_memory`.
+    need `max_memory`. `kv_dtype` is how PagedCache stores keys and values (`PagedCache`'s argument; default:
+    `dtype`); DynamicCache and StaticCache store `dtype`.
     """
     dtype, layouts = torch_dtype(dtype), layer_groups(config)  # NotImplementedError for unsupported models
     lens = _prompt_lens(prompt_lens, batch_size)
@@ -243,10 +249,11 @@ def plan_memory(
     if not isinstance(weight_bytes, WeightEstimate):
         weight_bytes = (weights_from_config(config, dtype) if weight_bytes is None
                         else WeightEstimate(int(weight_bytes), "given"))
+    stored = kv_format(kv_dtype, dtype)  # ValueError for an unknown name
     groups, total_blocks = [], 0
     for group, layout in layouts.items():
         window = group.window
-        per_token, per_block = layout.bytes_per_token(dtype), bytes_per_block(layout, block_size, dtype)
+        per_token, per_block = layout.bytes_per_token(dtype), bytes_per_block(layout, block_size, stored)
         row_blocks = [group.blocks_kept(p + new_tokens, block_size) for p in lens]  # no padding in PagedCache
         total_blocks += sum(row_blocks)
         kv = {"DynamicCache": len(lens) * per_token * dynamic_positions(window, padded),
@@ -271,11 +278,13 @@ def plan_memory(
         paged_pool = pool_fit(layouts, [p + new_tokens for p in lens], block_size, blocks, sized_by)
         fit = {**(fit or {}), "PagedCache": paged_pool.rows}
     return MemoryPlan(
-        model=model_name or config.name_or_path or config.model_type, dtype=_name(dtype), block_size=block_size,
+        model=model_name or config.name_or_path or config.model_type, dtype=_name(dtype), kv_dtype=stored.name,
+        block_size=block_size,
         prompt_lens=tuple(lens), new_tokens=new_tokens, max_cache_len=max_cache_len, groups=tuple(groups),
         bytes_per_token=sum(g.bytes_per_token for g in groups), bytes_per_block=per_block,
         paged_blocks=total_blocks, kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
-        paged_pool=paged_pool, rows_that_fit=fit, assumptions=_assumptions(config, groups, max_memory, paged_pool),
+        paged_pool=paged_pool, rows_that_fit=fit,
+        assumptions=_assumptions(config, groups, max_memory, paged_pool, stored, dtype),
     )
 
 
@@ -310,7 +319,8 @@ def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> li
 
 
 def _assumptions(
-    config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None, pool: PoolFit | None
+    config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None, pool: PoolFit | None,
+    stored: KVFormat, dtype: torch.dtype,
 ) -> tuple[str, ...]:
     notes = [
         "Each row stores prompt + new tokens; generate stores one fewer (its last token is never fed back) "
@@ -320,6 +330,11 @@ def _assumptions(
         "blocks per row, no prefix sharing.",
         "Weights are held in the planned dtype (no quantization); buffers such as rotary tables are not counted.",
     ]
+    if stored.storage != dtype:
+        scales = " with a float32 scale per token and head" if stored.scaled else ""
+        notes.append(f"PagedCache stores keys and values as {stored.name}{scales} (kv_dtype), so its KV per "
+                     "block is not KV per token x block_size: the per-token column is the dense caches' "
+                     f"({_name(dtype)}).")
     if pool is not None:
         notes.append("PagedCache's fit is a fixed pool's (num_blocks=, or max_memory= as PagedCache and "
                      "ContinuousBatcher size it): the same number of blocks in every layer group, block 0 reserved; "
@@ -530,6 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="tokens generated per row (default: %(default)s)")
     add("--dtype", default=DEFAULT_DTYPE, choices=("float32", "bfloat16", "float16"),
         help="dtype of weights and KV cache (default: %(default)s)")
+    add("--kv-dtype", choices=KV_DTYPES, help="how PagedCache stores keys and values: int8 / float8_e4m3fn (a "
+        "scale per token and head), bfloat16, float16 (default: --dtype)")
     add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="PagedCache tokens per block (default: %(default)s)")
     add("--num-blocks", type=int, help="a PagedCache pool of this many blocks in every layer group, block 0 "
         "reserved, as PagedCache(num_blocks=) and ContinuousBatcher(num_blocks=) build it (default: what "
@@ -551,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, weights = load_config_and_weight_bytes(args.model, args.dtype)
         plan = plan_memory(config, batch_size=args.batch, prompt_lens=args.prompt_len, new_tokens=args.new_tokens,
-                           dtype=args.dtype, block_size=args.block_size, max_memory=args.max_memory,
+                           dtype=args.dtype, kv_dtype=args.kv_dtype, block_size=args.block_size, max_memory=args.max_memory,
                            num_blocks=args.num_blocks, max_cache_len=args.max_cache_len, weight_bytes=weights,
                            model_name=args.model or DEFAULT_MODEL)
     except (ValueError, NotImplementedError) as error:

@@ -88,6 +88,27 @@ def test_smollm2_plan_matches_measured_caches(smollm2_path):
     assert measured["PagedCache"] == (3 + 1 + 2) * plan.bytes_per_block  # ceil(24/8) + ceil(7/8) + ceil(14/8)
 
 
+def test_smollm2_int8_plan_matches_the_measured_pool(smollm2_path):
+    """``kv_dtype="int8"``: a block costs 64 + 4 bytes per head vector (a float32 scale each), 0.27x of float32,
+    and the planned pool holds the PagedCache's measured blocks; the dense caches keep their dtype."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    prompt_lens, new_tokens, block_size = [21, 4, 11], 3, 8
+    plan = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=new_tokens, dtype=torch.float32,
+                       kv_dtype="int8", block_size=block_size, weight_bytes=0, max_memory="64MiB")
+    full = plan_memory(model.config, prompt_lens=prompt_lens, new_tokens=new_tokens, dtype=torch.float32,
+                       block_size=block_size, weight_bytes=0, max_memory="64MiB")
+    assert plan.kv_dtype == "int8" and plan.bytes_per_token == full.bytes_per_token  # the dense caches' per token
+    assert plan.bytes_per_block == 30 * 3 * (64 + 4) * 2 * block_size
+    assert plan.bytes_per_block / full.bytes_per_block == pytest.approx(68 / 256)
+    assert plan.kv_bytes["DynamicCache"] == full.kv_bytes["DynamicCache"]
+    assert plan.rows_that_fit["PagedCache"] >= 3.7 * full.rows_that_fit["PagedCache"]
+    with PagedCache(model, block_size=block_size, num_blocks=64, kv_dtype="int8") as paged:
+        run_forwards(model, paged, prompt_lens, new_tokens)
+        assert paged.stats().bytes_reserved == plan.kv_bytes["PagedCache"] == 6 * plan.bytes_per_block
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        plan_memory(model.config, kv_dtype="int4", weight_bytes=0)
+
+
 def test_smollm2_weights_from_safetensors_match_the_parameter_count(smollm2_path):
     config, weights = load_config_and_weight_bytes(smollm2_path, "float32")
     assert weights.num_bytes == 134_515_008 * 4  # tied embeddings stored once
@@ -348,8 +369,9 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.count("default") == 9  # one per option with a default (--json has none)
+    assert text.count("default") == 10  # one per option with a default (--json has none)
     for default in ("(default: 24GiB)", "(default: 32,", "(default: 512)", "(default: 256)", "(default: bfloat16)",
+                    "(default: --dtype)",
                     "(default: 16)", "(default: what --max-memory minus the weights buys)",
                     "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
         assert text.count(default) == 1, default
