@@ -111,6 +111,24 @@ def test_batch_shares_the_common_prefix_and_gives_every_block_back(tiny):
     assert pool.blocks.num_free == pool.blocks.capacity  # released after the request
 
 
+def test_int8_pool_holds_more_blocks_in_the_same_bytes(tiny):
+    """The Batch tab's int8 switch: a pool of the same bytes with about 3x the blocks (head dim 16: 20 bytes per
+    vector against 64), the batch run from it, and the page saying how its keys and values are stored."""
+    model, tokenizer = tiny
+    pools = app.SharedPools(model, 64, block_sizes=(8,))
+    full, small = pools.pool(8), pools.pool(8, "int8")
+    assert small.num_blocks * small.bytes_per_block <= full.num_blocks * full.bytes_per_block
+    assert small.num_blocks == full.num_blocks * 64 // 20
+    result = app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=6, block_size=8, block_budget=63,
+                           kv_dtype="int8")
+    assert len(result.outputs) == 3 and all(n == 6 for n in result.new_tokens)
+    assert small.blocks.num_free == small.blocks.capacity and full.blocks.num_free == full.blocks.capacity
+    page = app.memory_markdown(result, small)
+    assert "int8 with a float32 scale per token and head" in page and f"{small.blocks.capacity * 8:,} tokens" in page
+    with pytest.raises(app.InputError, match="can be stored as"):
+        pools.line(8, "float16")
+
+
 def _generate_each_row(model, tokenizer, system_prompt: str, prompts_text: str, max_new_tokens: int) -> tuple[str, ...]:
     """Each prompt alone through `generate` with a `DynamicCache`: no padding, no sharing (the reference)."""
     answers = []

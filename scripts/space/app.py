@@ -63,6 +63,8 @@ CHAT_BLOCK_SIZE = 16
 """Block size of the pool the chat tab uses."""
 
 DEFAULT_NUM_BLOCKS = 256
+KV_DTYPES: tuple[str | None, ...] = (None, "int8")
+"""How the Batch tab's pools may store keys and values: as the model computes them, or int8 (in the same bytes)."""
 """Blocks in each shared pool (block 0 is the reserved null block)."""
 
 DEFAULT_CONCURRENCY = 4
@@ -238,40 +240,72 @@ class WaitingLine:
 
 
 class SharedPools:
-    """The app's KV memory: one `KVPool` per block size of `BLOCK_SIZES`, shared by every session, each with
-    the `WaitingLine` its requests wait in.
+    """The app's KV memory: one `KVPool` per block size of `BLOCK_SIZES` and way of storing keys and values
+    of `kv_dtypes`, shared by every session, each with the `WaitingLine` its requests wait in.
+
+    Every pool of a block size takes the same bytes: the model-dtype pool has `num_blocks` blocks, and an
+    int8 pool as many of its smaller blocks as fit in those bytes (about 3.7x for head dim 64 in float32).
 
     Pools are built up front (their tensors are allocated lazily, layer by layer, on first use) and never
     replaced; requests only take and give back blocks, which the pool's lock keeps safe across threads.
     """
 
     def __init__(self, model: PreTrainedModel, num_blocks: int = DEFAULT_NUM_BLOCKS,
-                 block_sizes: Sequence[int] = BLOCK_SIZES, *, max_waiting: int = MAX_WAITING,
-                 max_wait_s: float = MAX_WAIT_S):
+                 block_sizes: Sequence[int] = BLOCK_SIZES, *, kv_dtypes: Sequence[str | None] = KV_DTYPES,
+                 max_waiting: int = MAX_WAITING, max_wait_s: float = MAX_WAIT_S):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._lines = MappingProxyType({
-            size: WaitingLine(
-                KVPool.for_config(model.config, num_blocks=num_blocks, block_size=size, dtype=model.dtype),
-                max_waiting=max_waiting, max_wait_s=max_wait_s,
-            )
-            for size in block_sizes
-        })
+        lines = {}
+        for size in block_sizes:
+            full = KVPool.for_config(model.config, num_blocks=num_blocks, block_size=size, dtype=model.dtype)
+            for kv_dtype in kv_dtypes:
+                pool = full if kv_dtype is None else _pool_in_same_bytes(model, full, kv_dtype)
+                lines[size, kv_dtype] = WaitingLine(pool, max_waiting=max_waiting, max_wait_s=max_wait_s)
+        self._lines = MappingProxyType(lines)
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(self._lines)
+        return tuple(dict.fromkeys(size for size, _ in self._lines))
 
-    def line(self, block_size: int) -> WaitingLine:
-        """The waiting line of the shared pool of `block_size`-token blocks (`InputError` for another size)."""
-        if block_size not in self._lines:
-            raise InputError(f"Block size must be one of {', '.join(map(str, self._lines))}; got {block_size}.")
-        return self._lines[block_size]
+    @property
+    def kv_dtypes(self) -> tuple[str | None, ...]:
+        return tuple(dict.fromkeys(kv_dtype for _, kv_dtype in self._lines))
 
-    def pool(self, block_size: int) -> KVPool:
-        """The shared pool of `block_size`-token blocks (raises `InputError` for another size)."""
-        return self.line(block_size).pool
+    def line(self, block_size: int, kv_dtype: str | None = None) -> WaitingLine:
+        """The waiting line of the shared pool of `block_size`-token blocks storing `kv_dtype` (None: the
+        model's dtype); `InputError` for a size or a dtype not offered."""
+        if block_size not in self.block_sizes:
+            raise InputError(f"Block size must be one of {', '.join(map(str, self.block_sizes))}; got {block_size}.")
+        if (block_size, kv_dtype) not in self._lines:
+            raise InputError(f"Keys and values can be stored as {', '.join(kv_label(k) for k in self.kv_dtypes)}; "
+                             f"got {kv_dtype!r}.")
+        return self._lines[block_size, kv_dtype]
+
+    def pool(self, block_size: int, kv_dtype: str | None = None) -> KVPool:
+        """The shared pool of `block_size`-token blocks storing `kv_dtype` (raises `InputError` as `line`)."""
+        return self.line(block_size, kv_dtype).pool
+
+
+def _pool_in_same_bytes(model: PreTrainedModel, full: KVPool, kv_dtype: str) -> KVPool:
+    """A pool storing `kv_dtype` with as many blocks as fit in the bytes of `full` (the model-dtype pool)."""
+    probe = KVPool.for_config(model.config, num_blocks=2, block_size=full.block_size, dtype=model.dtype,
+                              kv_dtype=kv_dtype)
+    num_blocks = full.num_blocks * full.bytes_per_block // probe.bytes_per_block
+    return KVPool.for_config(model.config, num_blocks=num_blocks, block_size=full.block_size, dtype=model.dtype,
+                             kv_dtype=kv_dtype)
+
+
+def _capacities(pools: SharedPools, block_size: int) -> str:
+    """``"255 blocks in the model's dtype, 947 in int8"``: what each pool of `block_size` holds at most."""
+    sizes = [f"{pools.pool(block_size, k).blocks.capacity} {'blocks ' if not i else ''}in {kv_label(k)}"
+             for i, k in enumerate(pools.kv_dtypes)]
+    return ", ".join(sizes)
+
+
+def kv_label(kv_dtype: str | None) -> str:
+    """How the page names a way of storing keys and values."""
+    return "the model's dtype" if kv_dtype is None else kv_dtype
 
 
 # --------------------------------------------------------------------------- prompts
@@ -404,6 +438,7 @@ def run_batch(
     block_size: float = 16,
     block_budget: float = 64,
     share_prefix: bool = True,
+    kv_dtype: str | None = None,
     on_wait: Callable[[str], None] | None = None,
 ) -> BatchResult:
     """Run the prompts as one ragged batch through `generate` with a `PagedCache` on the shared pool.
@@ -411,7 +446,8 @@ def run_batch(
     Each prompt is chat-templated (with `system_prompt` if given). With `share_prefix`, the whole blocks at
     the start that every row has in common (the system prompt) are prefilled once and every row shares their
     blocks rather than copying them (`prefill_sharing_prefix`); the answers are those of the unshared batch,
-    sliding-window models included. The
+    sliding-window models included. `kv_dtype` picks the pool (keys and values as the model computes them, or
+    int8 in a pool of the same bytes holding more blocks). The
     request is admitted only if its worst case (`blocks_needed`) fits `block_budget`; it then waits in the
     pool's `WaitingLine` until those blocks are free (`on_wait(message)` is called if it has to wait).
 
@@ -425,7 +461,7 @@ def run_batch(
     prompts = parse_prompts(prompts_text)
     system_prompt = _text(system_prompt, "The system prompt", MAX_SYSTEM_CHARS)
     max_new_tokens = _bounded_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
-    line = pools.line(_bounded_int(block_size, "Block size", 1, 1 << 20))  # InputError unless offered
+    line = pools.line(_bounded_int(block_size, "Block size", 1, 1 << 20), kv_dtype)  # InputError unless offered
     pool = line.pool
     block_size = pool.block_size
     block_budget = _bounded_int(block_budget, "Block budget", 1, pool.blocks.capacity)
@@ -561,13 +597,18 @@ def memory_markdown(result: BatchResult, pool: KVPool) -> str:
         f"{rows}\n\n"
         f"PagedCache utilization: **{paged.utilization:.1%}**, in "
         f"{paged.reserved_bytes // pool.bytes_per_block} blocks of {pool.block_size} tokens "
-        f"({format_bytes(pool.bytes_per_block)} each).{shared} "
-        f"The shared pool ({pool.num_blocks} blocks, {format_bytes(pool.num_blocks * pool.bytes_per_block)}) "
-        f"is allocated once for all sessions; {pool.blocks.num_free} of its {pool.blocks.capacity} blocks are "
-        "free now. DynamicCache pads every row to the longest; StaticCache is sized to the longest prompt + "
+        f"({format_bytes(pool.bytes_per_block)} each, keys and values stored as {_stored_as(pool)}).{shared} "
+        f"The shared pool ({pool.num_blocks} blocks, {format_bytes(pool.num_blocks * pool.bytes_per_block)}, "
+        f"**{pool.blocks.capacity * pool.block_size:,} tokens**) is allocated once for all sessions; "
+        f"{pool.blocks.num_free} of its {pool.blocks.capacity} blocks are free now. DynamicCache pads every row to the longest; StaticCache is sized to the longest prompt + "
         f"max_new_tokens (sized to the model's whole context, it would reserve "
         f"{format_bytes(result.static_full_context_bytes)})."
     )
+
+
+def _stored_as(pool: KVPool) -> str:
+    stored = pool.kv_format
+    return f"{stored.name} with a float32 scale per token and head" if stored.scaled else stored.name
 
 
 def _plural(count: int, noun: str) -> str:
@@ -803,21 +844,22 @@ def build_app(
     chat_line = pools.line(CHAT_BLOCK_SIZE if CHAT_BLOCK_SIZE in pools.block_sizes else pools.block_sizes[0])
     chat_pool = chat_line.pool
     default_size = 16 if 16 in pools.block_sizes else pools.block_sizes[0]
-    capacity = pools.pool(default_size).blocks.capacity
+    capacity = max(pools.pool(default_size, kv).blocks.capacity for kv in pools.kv_dtypes)
 
     def on_batch(prompts_text: str | None, system_prompt: str | None, max_new_tokens: float, block_size: int,
-                 block_budget: float, share_prefix: bool | None) -> tuple[str, str, Any, Any, str]:
+                 block_budget: float, share_prefix: bool | None, kv_dtype: str | None = None
+                 ) -> tuple[str, str, Any, Any, str]:
         try:
             result = run_batch(model, tokenizer, pools, prompts_text, system_prompt=system_prompt,
                                max_new_tokens=max_new_tokens, block_size=block_size, block_budget=block_budget,
-                               share_prefix=bool(share_prefix), on_wait=show_waiting)
+                               share_prefix=bool(share_prefix), kv_dtype=kv_dtype or None, on_wait=show_waiting)
         except InputError as error:
             raise gr.Error(as_page_text(error)) from None
         except (PoolFullError, PoolExhaustedError) as error:
             message = as_page_text(pool_full_message(error))
             gr.Warning(message)
             return f"**Pool full.** {message}", "", None, None, ""
-        pool = pools.pool(result.snapshot.block_size)
+        pool = pools.pool(result.snapshot.block_size, kv_dtype or None)
         waited = f" after waiting {result.waited_s:.1f} s for free blocks" if result.waited_s >= 0.1 else ""
         status = (
             f"Done: ran {len(result.prompts)} prompts as one ragged batch in {result.seconds:.1f} s{waited}; the "
@@ -880,9 +922,12 @@ def build_app(
                     block_size = gr.Radio([(str(s), s) for s in pools.block_sizes], value=default_size,
                                           label="Block size (tokens)", elem_id="batch-block-size")
                     budget = gr.Slider(1, capacity, value=min(96, capacity), step=1,
-                                       label=f"Block budget: blocks of the shared pool this batch may take "
-                                             f"(pool: {capacity} usable)",
+                                       label="Block budget: blocks of the shared pool this batch may take "
+                                             f"(usable: {_capacities(pools, default_size)})",
                                        elem_id="batch-budget")
+                    kv_choice = gr.Radio([(kv_label(k), k or "") for k in pools.kv_dtypes], value="",
+                                         label="Keys and values stored as (every pool takes the same bytes)",
+                                         elem_id="batch-kv-dtype")
                     share = gr.Checkbox(value=True, label="Prefill the common prefix once and share its blocks",
                                         elem_id="batch-share")
                     run = gr.Button("Run batch", variant="primary", elem_id="run-batch")
@@ -892,7 +937,7 @@ def build_app(
             with gr.Row():
                 chart = gr.Plot(label="KV memory", format="png", elem_id="memory-chart")
                 numbers = gr.Markdown(elem_id="memory-numbers")
-            run.click(on_batch, [prompts, system, max_new, block_size, budget, share],
+            run.click(on_batch, [prompts, system, max_new, block_size, budget, share, kv_choice],
                       [status, outputs, grid, chart, numbers], concurrency_limit=concurrency)
 
         with gr.Tab("Chat", elem_id="tab-chat"):
