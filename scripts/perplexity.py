@@ -8,6 +8,7 @@ Examples:
     python scripts/perplexity.py --max-tokens 4096 --compare --json results/ppl.json
     python scripts/perplexity.py --corpus tests/data/perplexity_corpus.txt --cache dynamic
     python scripts/perplexity.py --corpus wikitext:wikitext-2-raw-v1        # Hub dataset, when online
+    python scripts/perplexity.py --caches paged,paged:int8,paged:bfloat16   # keys and values stored as int8 ...
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true", help="run 'paged' and 'none' and report the difference")
     parser.add_argument(
         "--caches", default=None,
-        help="comma-separated caches to run in turn in this process, e.g. dynamic,paged; overrides --cache and "
-        "--compare (default: none)",
+        help="comma-separated caches to run in turn in this process, e.g. dynamic,paged; paged:KV_DTYPE stores "
+        "keys and values as KV_DTYPE (paged:int8, paged:bfloat16, ...; the first paged run is the reference of "
+        "the others); overrides --cache and --compare (default: none)",
     )
     parser.add_argument(
         "--repeats", type=int, default=1,
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(runs: dict[str, dict[str, Any]]) -> str:
     """A small fixed-width table of the runs."""
     header = (
-        f"{'cache':<8} {'perplexity':>12} {'nll':>9} {'tokens':>8} {'windows':>8} {'seconds':>8} {'CPU s':>8} "
+        f"{'cache':<14} {'perplexity':>12} {'nll':>9} {'tokens':>8} {'windows':>8} {'seconds':>8} {'CPU s':>8} "
         f"{'peak KV MiB':>12}"
     )
     lines = [header, "-" * len(header)]
@@ -91,10 +93,16 @@ def format_table(runs: dict[str, dict[str, Any]]) -> str:
         peak = run["peak_cache_bytes"]
         peak_text = f"{peak / 2**20:.2f}" if peak is not None else "-"
         lines.append(
-            f"{name:<8} {run['perplexity']:>12.4f} {run['nll']:>9.5f} {run['tokens']:>8d} {run['windows']:>8d} "
+            f"{name:<14} {run['perplexity']:>12.4f} {run['nll']:>9.5f} {run['tokens']:>8d} {run['windows']:>8d} "
             f"{run['seconds']:>8.1f} {run['cpu_seconds']:>8.1f} {peak_text:>12}"
         )
     return "\n".join(lines)
+
+
+def _cache_and_kv_dtype(mode: str) -> tuple[str, str | None]:
+    """``"paged:int8"`` -> ``("paged", "int8")``; ``"dynamic"`` -> ``("dynamic", None)``."""
+    cache, _, kv_dtype = mode.partition(":")
+    return cache, kv_dtype or None
 
 
 def _use_attention(model: torch.nn.Module, attention: str | None, own: str) -> None:
@@ -117,21 +125,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     corpus = load_corpus_text(args.corpus, split=args.split)
     ids = encode_corpus(tokenizer, corpus.text, args.max_tokens)  # [N]
     windows = strided_windows(ids, args.max_length, args.stride)
-    modes: list[CacheMode] = ["paged", "none"] if args.compare else [cast(CacheMode, args.cache)]
+    modes: list[str] = ["paged", "none"] if args.compare else [args.cache]
     if args.caches:
-        modes = [cast(CacheMode, m) for m in args.caches.split(",") if m]
-        unknown = sorted(set(modes) - set(CACHE_MODES))
+        modes = [m for m in args.caches.split(",") if m]
+        unknown = sorted({m for m in modes if _cache_and_kv_dtype(m)[0] not in CACHE_MODES or
+                          (":" in m and not m.startswith("paged:"))})
         if unknown:
-            raise SystemExit(f"unknown caches {unknown}; choose from {CACHE_MODES}")
+            raise SystemExit(f"unknown caches {unknown}; choose from {CACHE_MODES} or paged:KV_DTYPE")
 
     runs: dict[str, dict[str, Any]] = {}
     timings: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     for mode in [m for _ in range(max(args.repeats, 1)) for m in modes]:
-        _use_attention(model, args.attn_implementation if mode == "paged" else None, own_attention)
+        cache, kv_dtype = _cache_and_kv_dtype(mode)
+        _use_attention(model, args.attn_implementation if cache == "paged" else None, own_attention)
         result = score_windows(
             model,
             windows,
-            cache=mode,
+            cache=cast(CacheMode, cache),
+            kv_dtype=kv_dtype,
             batch_size=args.batch_size,
             chunk_size=chunk_size,
             block_size=args.block_size,
@@ -144,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs[mode]["seconds"] = statistics.median(t for t, _ in times)
         runs[mode]["cpu_seconds"] = statistics.median(c for _, c in times)
         runs[mode]["cpu_seconds_runs"] = [c for _, c in times]
-        paged_attention = args.attn_implementation if mode == "paged" else None
+        paged_attention = args.attn_implementation if _cache_and_kv_dtype(mode)[0] == "paged" else None
         runs[mode]["attn_implementation"] = paged_attention or own_attention
 
     results: dict[str, Any] = {
@@ -179,6 +190,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         rel = abs(runs["paged"]["perplexity"] - reference) / reference
         results["relative_difference"] = rel
         print(f"relative difference paged vs none: {rel:.3e}")
+    reference = next((m for m in runs if _cache_and_kv_dtype(m)[0] == "paged"), None)
+    stored = {m: run for m, run in runs.items() if _cache_and_kv_dtype(m)[1] is not None and m != reference}
+    if reference is not None and stored:
+        base = runs[reference]["perplexity"]
+        results["relative_to_" + reference] = {m: (run["perplexity"] - base) / base for m, run in stored.items()}
+        for m, rel in results["relative_to_" + reference].items():
+            print(f"perplexity {m} vs {reference}: {rel:+.3e} relative")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -281,6 +281,7 @@ def score_windows(
     block_size: int = 16,
     pad_token_id: int = 0,
     progress: bool = False,
+    kv_dtype: str | None = None,
 ) -> PerplexityResult:
     """Score `windows` in batches of `batch_size` and return the token-weighted perplexity.
 
@@ -299,9 +300,13 @@ def score_windows(
         block_size: tokens per `PagedCache` block.
         pad_token_id: id written at padding positions (they are masked, so any valid id works).
         progress: show a tqdm bar over windows.
+        kv_dtype: how the `PagedCache` stores keys and values (``"int8"``, say; default: the model's dtype), so
+            that later chunks attend to history read back from that format.
     """
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+    if kv_dtype is not None and cache != "paged":
+        raise ValueError(f"kv_dtype is PagedCache's: it needs cache='paged', got {cache!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if not windows:
@@ -311,7 +316,8 @@ def score_windows(
     if cache == "paged":
         longest = max(w.length for w in windows)
         paged = PagedCache(
-            model, block_size=block_size, num_blocks=num_blocks_for(min(batch_size, len(windows)), longest, block_size)
+            model, block_size=block_size, num_blocks=num_blocks_for(min(batch_size, len(windows)), longest, block_size),
+            kv_dtype=kv_dtype,
         )
     bar = None
     if progress:
