@@ -5,7 +5,7 @@ Four measurements on the default model (SmolLM2-135M-Instruct, float32 weights),
 reference):
 
 1. **bytes**: KV bytes per token of each pool (scales included), and the ratio to float32;
-2. **fidelity**: 8 ragged rows of real text (slices of the offline Wikipedia excerpt, ``--fidelity-lens``
+2. **fidelity**: 8 ragged rows of real text (slices of ``--corpus``, the offline Wikipedia excerpt, ``--fidelity-lens``
    tokens), ``--fidelity-tokens`` greedy tokens each: rows whose tokens equal the float32 cache's, and for
    the others the first position that differs;
 3. **decode**: a decode step of those 8 ragged rows (prefilled once, untimed), ``--decode-steps`` steps timed
@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", default="1,2", help="thread counts of the decode rounds (default: %(default)s)")
     parser.add_argument("--fidelity-lens", default="60,120,200,300,450,600,800,1000",
                         help="prompt tokens of the ragged rows (default: %(default)s)")
+    parser.add_argument("--corpus", default="offline",
+                        help="text the fidelity rows are cut from: a file, or 'offline' (default: %(default)s)")
     parser.add_argument("--fidelity-tokens", type=int, default=48, help="greedy tokens per row (default: 48)")
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per round (default: 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per dtype and part (default: 5)")
@@ -96,9 +98,9 @@ def bytes_per_token(model: PreTrainedModel, kv_dtypes: Sequence[str]) -> list[di
 # ------------------------------------------------------------------ 2. fidelity
 
 
-def text_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int]) -> list[list[int]]:
-    """One slice of the offline Wikipedia excerpt per length, from different places in it."""
-    ids = tokenizer(load_corpus_text("offline").text).input_ids
+def text_prompts(tokenizer: PreTrainedTokenizerBase, corpus: str, lengths: Sequence[int]) -> list[list[int]]:
+    """One slice of `corpus` (by default the offline Wikipedia excerpt) per length, from different places in it."""
+    ids = tokenizer(load_corpus_text(corpus).text).input_ids
     starts = [len(ids) * i // (len(lengths) + 1) for i in range(len(lengths))]
     return [ids[start : start + n] for start, n in zip(starts, lengths, strict=True)]
 
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     set_paged_attention(model)
     results: dict[str, Any] = {"benchmark": "kv_dtype", "model": args.model or "default", "dtype": args.dtype,
                                "settings": vars(args), "bytes": bytes_per_token(model, kv_dtypes)}
-    prompts = text_prompts(tokenizer, [int(n) for n in args.fidelity_lens.split(",")])
+    prompts = text_prompts(tokenizer, args.corpus, [int(n) for n in args.fidelity_lens.split(",")])
     batch = left_pad(prompts, pad_token_id(model, tokenizer), "cpu")
     if "fidelity" not in skip:
         results["fidelity"] = fidelity(model, batch, kv_dtypes, args.fidelity_tokens)

@@ -260,6 +260,27 @@ def test_bench_kernels_fields(tiny_dir: str, results_dir: Path) -> None:
         assert 0 <= row["max_abs_logit_diff"] < 1e-4 and row["greedy_tokens_agree"] is True
 
 
+# -------------------------------------------------------------------------------------- bench_kv_dtype
+
+
+def test_bench_kv_dtype_fields(tiny_dir: str, results_dir: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"t{3 + i % (VOCAB - 3)}" for i in range(400)))
+    args = ["--model", tiny_dir, "--corpus", str(corpus), "--fidelity-lens", "5,9,14", "--fidelity-tokens", "4",
+            "--decode-steps", "2", "--repeats", "1", "--threads", "1", "--num-requests", "3", "--min-prompt", "4",
+            "--max-prompt", "12", "--min-new", "2", "--max-new", "4", "--kv-dtypes", "float32,int8,bfloat16"]
+    result = run_script("bench_kv_dtype", args, results_dir / "bench_kv_dtype.json")
+    per_token = {row["kv_dtype"]: row["bytes_per_token"] for row in result["bytes"]}
+    assert per_token == {"float32": 2 * 2 * 2 * 16 * 4, "int8": 2 * 2 * 2 * (16 + 4), "bfloat16": 2 * 2 * 2 * 16 * 2}
+    fidelity = {row["kv_dtype"]: row for row in result["fidelity"]}
+    assert fidelity["float32"]["rows_identical"] == fidelity["float32"]["rows"] == 3  # the reference against itself
+    assert [row["kv_dtype"] for row in result["decode"]] == ["float32", "int8", "bfloat16"]
+    assert all(row["ms_per_step"] > 0 for row in result["decode"])
+    batcher = {row["kv_dtype"]: row for row in result["batcher"]}
+    assert set(batcher) == {"float32", "int8"} and batcher["int8"]["blocks"] > 3 * batcher["float32"]["blocks"]
+    assert all(1 <= row["most_in_flight"] <= 3 and row["tokens_per_s"] > 0 for row in batcher.values())
+
+
 # ----------------------------------------------------------------------------------------- bench_beam
 
 

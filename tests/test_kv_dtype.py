@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 from test_batcher import assert_pool_empty, requests
+from test_generate_modes import MODES
 from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,25 +186,25 @@ def test_int8_is_deterministic(model_type, attention):
     assert_identical(generate(model_for(model_type, attention), "int8"), greedy(model_type, attention, "int8"))
 
 
-MODES = {
-    "beam_search": dict(num_beams=3, do_sample=False),
-    "sampling": dict(do_sample=True, temperature=0.7, top_k=20),
-    "beam_sampling": dict(num_beams=3, do_sample=True),
-}
-
-
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_int8_generate_modes_agree_between_dense_reads_and_paged_sdpa(mode):
-    """Both read the same int8 keys and values: same tokens, scores within float rounding (a 1e-7 difference
-    can still move one element across an int8 rounding boundary, hence not atol=0), and a second paged run
-    bit-identical to the first."""
-    kwargs = dict(MODES[mode], seed=3)
-    dense = generate(model_for("llama"), "int8", **kwargs)
-    paged = generate(model_for("llama", "paged_sdpa"), "int8", **kwargs)
+def test_every_generate_mode_agrees_between_dense_reads_and_paged_sdpa(mode, kv_dtype):
+    """Every mode of the parity tests (test_generate_modes) on an 8-bit cache: the dense read path and
+    paged_sdpa read the same stored keys and values, so the same tokens and scores within float rounding (a
+    1e-7 difference can still move one element across a rounding boundary, hence not atol=0); a second paged
+    run is bit-identical to the first; and the first step's scores stay within the prefill tolerance of a
+    full-precision cache (where both are finite: top-k and top-p mask the rest)."""
+    kwargs = dict(MODES[mode], seed=3, max_new_tokens=16)
+    dense = generate(model_for("llama"), kv_dtype, **kwargs)
+    paged = generate(model_for("llama", "paged_sdpa"), kv_dtype, **kwargs)
     torch.testing.assert_close(paged.sequences, dense.sequences, rtol=0, atol=0)
     for mine, theirs in zip(paged.scores, dense.scores, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=PREFILL_TOLERANCE["int8"])
-    assert_identical(generate(model_for("llama", "paged_sdpa"), "int8", **kwargs), paged)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=PREFILL_TOLERANCE[kv_dtype])
+    assert_identical(generate(model_for("llama", "paged_sdpa"), kv_dtype, **kwargs), paged)
+    full = generate(model_for("llama", "paged_sdpa"), None, **kwargs).scores[0]
+    finite = full.isfinite() & paged.scores[0].isfinite()
+    temperature = MODES[mode].get("temperature", 1.0)
+    assert (paged.scores[0][finite] - full[finite]).abs().max() <= PREFILL_TOLERANCE[kv_dtype] / temperature
 
 
 def user_tokens(n, seed):
