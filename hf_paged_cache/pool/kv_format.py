@@ -42,8 +42,7 @@ class KVFormat:
 
     def vector_bytes(self, dim: int) -> int:
         """Bytes one stored vector of `dim` elements costs, its scale included."""
-        itemsize = torch.empty((), dtype=self.storage).element_size()
-        return dim * itemsize + (torch.empty((), dtype=SCALE_DTYPE).element_size() if self.scaled else 0)
+        return dim * self.storage.itemsize + (SCALE_DTYPE.itemsize if self.scaled else 0)
 
     def encode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[N, H, D]`` states as stored: ``(elements [N, H, D], scales [N, H, 1] or None)``."""
