@@ -7,8 +7,8 @@ each layer group ``g`` (layers caching the same span: full attention, or a slidi
 
     per token (g)  = sum over g's layers of kv_heads x (key_dim + value_dim) x s   (KVLayout)
     per block (g)  = per token (g) x block_size                                    (bytes_per_block)
-                     (PagedCache with kv_dtype int8 / float8_e4m3fn: s = 1 and 4 bytes of scale per head
-                     vector, i.e. kv_heads x (key_dim + 4 + value_dim + 4) per layer and token)
+                     (PagedCache with kv_dtype int8 / float8_e4m3fn: s = 1 plus each head vector's scales:
+                     int8 a float16 (minimum, step) pair per 32 elements, float8 one float32 scale)
     DynamicCache   = B x sum_g per_token_g x D_g   (rows left-padded to P)
                      D = P + n (full);  min(P + n, W - 1) (sliding: DynamicSlidingWindowLayer)
     StaticCache    = B x sum_g per_token_g x S_g   (M = max_cache_len, default P + n)
@@ -331,8 +331,7 @@ def _assumptions(
         "Weights are held in the planned dtype (no quantization); buffers such as rotary tables are not counted.",
     ]
     if stored.storage != dtype:
-        scales = " with a float32 scale per token and head" if stored.scaled else ""
-        notes.append(f"PagedCache stores keys and values as {stored.name}{scales} (kv_dtype), so its KV per "
+        notes.append(f"PagedCache stores keys and values as {stored.description} (kv_dtype), so its KV per "
                      "block is not KV per token x block_size: the per-token column is the dense caches' "
                      f"({_name(dtype)}).")
     if pool is not None:
@@ -546,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default=DEFAULT_DTYPE, choices=("float32", "bfloat16", "float16"),
         help="dtype of weights and KV cache (default: %(default)s)")
     add("--kv-dtype", choices=KV_DTYPES, help="how PagedCache stores keys and values: int8 / float8_e4m3fn (a "
-        "scale per token and head), bfloat16, float16 (default: --dtype)")
+        "scales per token and head), bfloat16, float16 (default: --dtype)")
     add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="PagedCache tokens per block (default: %(default)s)")
     add("--num-blocks", type=int, help="a PagedCache pool of this many blocks in every layer group, block 0 "
         "reserved, as PagedCache(num_blocks=) and ContinuousBatcher(num_blocks=) build it (default: what "

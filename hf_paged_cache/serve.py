@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--max-memory", type=_memory, help="KV memory for the pool, e.g. 2GiB (default: elastic pool)")
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES,
-                        help="how the pool stores keys and values: int8 or float8_e4m3fn (8 bits and a scale per "
-                             "token and head: about 4x the tokens of float32 in --max-memory), bfloat16, float16 "
+                        help="how the pool stores keys and values: int8 or float8_e4m3fn (8 bits and their scales "
+                             "per token and head: about 3.5x the tokens of float32 in --max-memory), bfloat16, float16 "
                              "(default: as the model computes them, exact)")
     parser.add_argument("--max-running", type=_positive, help="most requests in flight at once (default: 64)")
     parser.add_argument("--max-waiting", type=_positive, default=256,
@@ -162,10 +162,10 @@ def _log_pool(batcher: Any, max_model_len: int) -> None:
         per_block = pool.group_bytes_per_block(index)
         if pool.is_elastic:
             logger.info("KV pool, %s: elastic (grows as needed), %s keys and values, blocks of %d tokens, %s B each",
-                        group.name, pool.kv_format.name, pool.block_size, f"{per_block:,}")
+                        group.name, pool.kv_format.description, pool.block_size, f"{per_block:,}")
         else:
             logger.info("KV pool, %s: %s blocks of %d tokens, %s keys and values, %s B each (%s B in all); holds %s "
-                        "tokens", group.name, f"{blocks.capacity:,}", pool.block_size, pool.kv_format.name, f"{per_block:,}",
+                        "tokens", group.name, f"{blocks.capacity:,}", pool.block_size, pool.kv_format.description, f"{per_block:,}",
                         f"{blocks.capacity * per_block:,}", f"{blocks.capacity * pool.block_size:,}")
     logger.info("context: %d tokens per request (prompt and answer)", max_model_len)
 

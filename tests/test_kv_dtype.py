@@ -111,7 +111,7 @@ def smol_config(**overrides):
 
 @functools.cache
 def head_dim_64_model():
-    """A tiny llama whose heads are SmolLM2's width (64), so int8 costs its real 68/256 of float32."""
+    """A tiny llama whose heads are SmolLM2's width (64), so int8 costs its real 72/256 of float32."""
     config = smol_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1)
     torch.manual_seed(0)
@@ -162,14 +162,15 @@ def test_the_pool_stores_what_was_asked(kv_dtype):
     model = model_for("deepseek_v3")  # keys and values of different widths
     with PagedCache(model, kv_dtype=kv_dtype, num_blocks=4, block_size=4) as cache:
         forward(model, cache, torch.tensor([[5, 6, 7]]))
-        pool, expected = cache.pool, getattr(torch, kv_dtype)
-        assert pool.kv_format.name == kv_dtype
-        assert {t.dtype for t in pool.keys + pool.values} == {expected}
+        pool, stored = cache.pool, kv_format(kv_dtype, model.dtype)
+        assert pool.kv_format == stored and pool.kv_format.name == kv_dtype
+        assert {t.dtype for t in pool.keys + pool.values} == {torch.uint8 if kv_dtype == "int8" else getattr(torch, kv_dtype)}
         scaled = kv_dtype in ("int8", "float8_e4m3fn")
-        for layer, keys in enumerate(pool.keys):
-            for scales in (pool.key_scales[layer], pool.value_scales[layer]):
+        for layer, (keys, values) in enumerate(zip(pool.keys, pool.values)):
+            for states, scales in ((keys, pool.key_scales[layer]), (values, pool.value_scales[layer])):
                 if scaled:
-                    assert scales.dtype == torch.float32 and scales.shape == (*keys.shape[:2], 1)
+                    assert scales.dtype == stored.scale_dtype
+                    assert scales.shape == (*states.shape[:2], *stored.scale_shape(states.shape[-1]))
                 else:
                     assert scales is None
         # reads come back in the model's dtype
@@ -316,17 +317,18 @@ def test_bytes_per_block_of_smollm2_shapes():
     config, block = smol_config(), 16
     per_block = {name: KVPool.for_config(config, num_blocks=2, kv_dtype=name).bytes_per_block
                  for name in ("int8", "float8_e4m3fn", "bfloat16", "float32")}
-    assert per_block["int8"] == per_block["float8_e4m3fn"] == 2 * 30 * 3 * (64 + 4) * block
+    assert per_block["int8"] == 2 * 30 * 3 * (64 + 2 * 2 * 2) * block  # a float16 pair per 32 elements
+    assert per_block["float8_e4m3fn"] == 2 * 30 * 3 * (64 + 4) * block  # one float32 scale per vector
     assert per_block["float32"] == 2 * 30 * 3 * 64 * 4 * block
     assert per_block["bfloat16"] * 2 == per_block["float32"]
 
 
-def test_a_budget_buys_about_3_8_times_the_blocks_in_int8():
+def test_a_budget_buys_about_3_6_times_the_blocks_in_int8():
     config = smol_config()
     int8 = KVPool.for_config(config, max_memory="64MiB", kv_dtype="int8")
     full = KVPool.for_config(config, max_memory="64MiB")
     assert int8.num_blocks == 64 * 2**20 // int8.bytes_per_block
-    assert int8.num_blocks / full.num_blocks == pytest.approx(256 / 68, rel=0.01)
+    assert int8.num_blocks / full.num_blocks == pytest.approx(256 / 72, rel=0.01)
     assert int8.storage_bytes() == 0  # sized, not allocated
 
 
@@ -340,7 +342,7 @@ def test_storage_and_stats_count_every_byte(kv_dtype):
         assert len(tensors) == (8 if kv_dtype == "int8" else 4)  # 2 layers x keys, values (+ their scales)
         assert pool.storage_bytes() == sum(t.numel() * t.element_size() for t in tensors)
         assert pool.storage_bytes() == pool.num_blocks * pool.bytes_per_block  # created whole, scales included
-        vector = 64 + 4 if kv_dtype == "int8" else 64 * 2
+        vector = 64 + 8 if kv_dtype == "int8" else 64 * 2
         assert pool.bytes_per_block == 2 * 2 * 1 * vector * 4
         assert stats.pool_bytes == pool.storage_bytes()
         assert stats.bytes_reserved == 5 * pool.bytes_per_block
@@ -360,6 +362,34 @@ def test_exhausting_an_int8_pool_changes_nothing():
         assert pool.blocks.num_free == free and victim.block_tables.num_tokens == [4]
         for before, after in zip(contents, pool_tensors(pool), strict=True):
             assert torch.equal(before.view(torch.uint8), after.view(torch.uint8))
+
+
+def test_a_key_past_float16_fails_the_forward_and_changes_nothing():
+    """int8 refuses a group float16 cannot bound mid-forward (here layer 1's keys, after layer 0 has
+    written): a clear ValueError, and both caches read what they held, with the pool's free blocks as before."""
+    model = head_dim_64_model()
+    pool = KVPool.for_config(model.config, num_blocks=8, block_size=4, kv_dtype="int8")
+    with PagedCache(model, pool=pool) as bystander, PagedCache(model, pool=pool) as victim:
+        forward(model, bystander, **ragged_batch([0, 3], 6))
+        forward(model, victim, **ragged_batch([0], 4))
+        free = pool.blocks.num_free
+        contents = [cache.dense_view(layer) for cache in (bystander, victim) for layer in range(2)]
+        projection = model.model.layers[1].self_attn.k_proj
+        saved = projection.weight.detach().clone()
+        try:
+            with torch.no_grad():
+                projection.weight.mul_(1e7)
+            with pytest.raises(ValueError, match="kv_dtype='int8' keeps each group's minimum and range as float16"):
+                forward(model, victim, **ragged_batch([0], 3))
+        finally:
+            with torch.no_grad():
+                projection.weight.copy_(saved)
+        assert pool.blocks.num_free == free and victim.block_tables.num_tokens == [4]
+        assert bystander.block_tables.num_tokens == [6, 3]
+        after = [cache.dense_view(layer) for cache in (bystander, victim) for layer in range(2)]
+        for (keys, values), (keys_after, values_after) in zip(contents, after, strict=True):
+            assert torch.equal(keys, keys_after) and torch.equal(values, values_after)
+        forward(model, victim, **ragged_batch([0], 3))  # and the victim goes on
 
 
 # ----------------------------------------------------------------------------------- 4. bad values
@@ -383,7 +413,8 @@ def test_a_pool_and_a_kv_dtype_together_are_refused():
 
 def test_kv_dtype_may_be_a_torch_dtype():
     assert kv_format(torch.bfloat16, torch.float32) == kv_format("bfloat16", torch.float32)
-    assert kv_format(torch.int8, torch.float32).qmax == 127
+    assert kv_format(torch.int8, torch.float32) == kv_format("int8", torch.float32)
+    assert kv_format(torch.int8, torch.float32).affine and kv_format("float8_e4m3fn", torch.float32).qmax == 448
     assert kv_format(None, torch.bfloat16).storage == torch.bfloat16 and not kv_format(None, torch.float32).scaled
 
 
@@ -398,15 +429,43 @@ def sample_states(seed=0):
     return states
 
 
-def test_int8_round_trip_is_within_half_a_step():
+@pytest.mark.parametrize("dim, groups", [(32, 1), (64, 2), (128, 4), (80, 1)])
+def test_int8_keeps_a_float16_minimum_and_step_per_group_of_32(dim, groups):
+    int8 = kv_format("int8", torch.float32)
+    states = torch.randn(16, 2, dim, generator=torch.Generator().manual_seed(1)) * 3 + 5  # off zero
+    elements, scales = int8.encode(states)
+    assert elements.dtype == torch.uint8 and scales.dtype == torch.float16 and scales.shape == (16, 2, groups, 2)
+    assert int8.vector_bytes(dim) == dim + groups * 2 * 2
+    grouped = states.view(16, 2, groups, -1)
+    torch.testing.assert_close(scales[..., 0], grouped.amin(-1).half())
+    torch.testing.assert_close(scales[..., 1], ((grouped.amax(-1) - grouped.amin(-1)) / 255).half())
+    codes = elements.view(16, 2, groups, -1)
+    assert (codes.amin(-1) == 0).all() and (codes.amax(-1) == 255).all()  # each group uses the full range
+
+
+def test_int8_round_trip_is_within_about_half_a_step():
+    """Within half a step of the group, plus what float16 rounding of its minimum and step costs."""
     int8 = kv_format("int8", torch.float32)
     states = sample_states()
-    elements, scale = int8.encode(states)
-    assert elements.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64, 2, 1)
-    torch.testing.assert_close(scale, states.abs().amax(-1, keepdim=True) / 127)
-    assert (elements.abs().amax(-1) == 127).all()  # each vector's absmax uses the full range
-    error = (int8.decode(elements, scale, torch.float32) - states).abs()
-    assert (error <= scale / 2 * (1 + 1e-5)).all()
+    elements, scales = int8.encode(states)
+    low, step = scales.float().unbind(-1)  # [N, H, 1] each: D = 32 is one group
+    error = (int8.decode(elements, scales, torch.float32) - states).abs()
+    assert (error <= step * (0.5 + 255 * 2**-11) + low.abs() * 2**-11 + 1e-6).all()
+
+
+def test_int8_keeps_an_offset_group_fine():
+    """A group far from zero (values in [1000, 1001]) keeps its detail, where one symmetric scale would not."""
+    int8 = kv_format("int8", torch.float32)
+    states = 1000 + torch.rand(4, 1, 64, generator=torch.Generator().manual_seed(2))
+    error = (int8.decode(*int8.encode(states), torch.float32) - states).abs()
+    assert error.max() < 0.3  # float16 holds 1000 to within 0.25; a symmetric int8 step would be 1001 / 127 ~ 7.9
+    assert error.max() / states.abs().max() < 3e-4
+
+
+def test_int8_refuses_states_float16_cannot_bound():
+    int8 = kv_format("int8", torch.float32)
+    with pytest.raises(ValueError, match="kv_dtype='int8' keeps each group's minimum and range as float16"):
+        int8.encode(torch.full((1, 1, 64), 1e5))
 
 
 @pytest.mark.parametrize("name", ["int8", "float8_e4m3fn"])
@@ -427,15 +486,16 @@ def test_float8_saturates_instead_of_overflowing_to_nan():
     fp8 = kv_format("float8_e4m3fn", torch.float32)
     states = sample_states()
     states[0, 0, :2] = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max])
-    elements, scale = fp8.encode(states)
-    decoded = fp8.decode(elements, scale, torch.float32)
+    elements, scales = fp8.encode(states)
+    assert scales.dtype == torch.float32 and scales.shape == (64, 2, 1, 1)  # one scale per vector
+    decoded = fp8.decode(elements, scales, torch.float32)
     assert not elements.float().isnan().any() and torch.isfinite(decoded).all()
     assert elements.float().abs().max() == 448
-    assert ((decoded - states).abs() <= states.abs() / 16 + scale * 2**-10).all()
+    assert ((decoded - states).abs() <= states.abs() / 16 + scales.flatten(-2) * 2**-10).all()
 
 
 def test_vector_bytes():
-    assert kv_format("int8", torch.float32).vector_bytes(64) == 68
+    assert kv_format("int8", torch.float32).vector_bytes(64) == 72
     assert kv_format("float8_e4m3fn", torch.float32).vector_bytes(64) == 68
     assert kv_format("bfloat16", torch.float32).vector_bytes(64) == 128
     assert kv_format(None, torch.float32).vector_bytes(64) == 256
@@ -444,7 +504,8 @@ def test_vector_bytes():
 def test_stored_states_write_and_gather_rows():
     """Row ``slot * H + head`` of a layer's storage reads back the decoded vector written at that slot."""
     int8, heads = kv_format("int8", torch.float32), 2
-    stored = StoredStates(torch.zeros(8, heads, 32, dtype=torch.int8), torch.ones(8, heads, 1), int8, torch.float32)
+    scales = torch.ones(8, heads, 1, 2, dtype=torch.float16)
+    stored = StoredStates(torch.zeros(8, heads, 32, dtype=torch.uint8), scales, int8, torch.float32)
     states = sample_states()[:3]  # [3, H, D]
     stored.write(torch.tensor([6, 1, 4]), states)
     assert stored.plain is None

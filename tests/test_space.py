@@ -124,7 +124,7 @@ def test_int8_pool_holds_more_blocks_in_the_same_bytes(tiny):
     assert len(result.outputs) == 3 and all(n == 6 for n in result.new_tokens)
     assert small.blocks.num_free == small.blocks.capacity and full.blocks.num_free == full.blocks.capacity
     page = app.memory_markdown(result, small)
-    assert "int8 with a float32 scale per token and head" in page and f"{small.blocks.capacity * 8:,} tokens" in page
+    assert "int8 with a float16 minimum and step per 32 elements of each token and head" in page and f"{small.blocks.capacity * 8:,} tokens" in page
     with pytest.raises(app.InputError, match="can be stored as"):
         pools.line(8, "float16")
 

@@ -38,8 +38,8 @@ class PagedCache(BlockSharing, Cache):
         max_memory: size of a new pool as a byte budget: an int or a string like ``"512MiB"``.
         pool: an existing `KVPool` to share with other caches.
         kv_dtype: how a new pool stores keys and values: None (the default) as the model computes them;
-            ``"int8"`` or ``"float8_e4m3fn"`` (8-bit elements with a float32 scale per token and head, about
-            a quarter of float32's bytes); ``"bfloat16"`` or ``"float16"`` (a plain cast). Reads give the
+            ``"int8"`` or ``"float8_e4m3fn"`` (8-bit elements with their scales per token and head, about
+            0.28x of float32's bytes; `KVFormat`); ``"bfloat16"`` or ``"float16"`` (a plain cast). Reads give the
             model's dtype back, so attention computes as before, from rounded keys and values. A shared
             `pool` brings its own (`KVPool.kv_format`). `ValueError` for any other name.
         manual_commit: keep a forward's step pending once it has run, until `commit()` keeps it or `settle()`

@@ -58,7 +58,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import KVMemoryError
 from .block_pool import FIXED, NULL_BLOCK, BlockPool, as_count
-from .kv_format import SCALE_DTYPE, StoredStates, kv_format, writable
+from .kv_format import StoredStates, kv_format, writable
 from .locks import SharedExclusiveLock
 from .memory import (
     KVLayout,
@@ -83,9 +83,10 @@ class KVPool:
     yields ``[tokens, heads, dim]`` directly, with no per-head strides to undo.
 
     Keys and values are stored in `kv_format` (`kv_dtype`: by default the model's `dtype` itself; ``"int8"``,
-    ``"float8_e4m3fn"`` with a scale per token and head, or another float type; see `pool.kv_format`), and
-    read back in `dtype`. An 8-bit format also keeps ``[num_blocks * block_size, heads, 1]`` float32 scales per
-    layer (`key_scales`, `value_scales`; None otherwise), which grow, copy and count with their tensors.
+    ``"float8_e4m3fn"`` with their scales per token and head, or another float type; see `pool.kv_format`),
+    and read back in `dtype`. An 8-bit format also keeps ``[num_blocks * block_size, heads, G, P]`` scales per
+    layer (`key_scales`, `value_scales`, shaped by `KVFormat.scale_shape`; None otherwise), which grow, copy
+    and count with their tensors.
 
     A layer's tensors are created on the device of the first key states it stores, so
     a model spread over several devices keeps each layer's cache beside that layer. Several `PagedCache`
@@ -369,8 +370,8 @@ class KVPool:
         try:
             keys = _empty((slots, shape.num_heads, shape.key_dim), stored.storage, device)
             values = _empty((slots, shape.num_heads, shape.value_dim), stored.storage, device)
-            scales = [_empty((slots, shape.num_heads, 1), SCALE_DTYPE, device) if stored.scaled else None
-                      for _ in range(2)]
+            scales = [_empty((slots, shape.num_heads, *stored.scale_shape(dim)), stored.scale_dtype, device)
+                      if stored.scaled else None for dim in (shape.key_dim, shape.value_dim)]
         except (RuntimeError, MemoryError) as error:
             if not _out_of_memory(error):
                 raise

@@ -8,8 +8,8 @@ layers, `H` key/value heads of width `D`, blocks of `T` tokens and a dtype of `s
 
 (the 2 is one key and one value vector per token, head and layer). Models whose key and value widths
 differ (DeepSeek-V3 caches a compressed latent and a rotary key) use `H x (D_key + D_value)` instead of
-`2 x H x D`, summed over layers. Keys and values stored as 8-bit elements with a scale per token and head
-(`kv_format.KVFormat`) cost `D + 4` bytes per vector instead of `D x s`. A row of `n` tokens holds ``ceil(n / T)`` blocks of a full-attention
+`2 x H x D`, summed over layers. Keys and values stored as 8-bit elements with their scales
+(`kv_format.KVFormat.vector_bytes`: int8 `D + 8` for `D = 64`, float8 `D + 4`) cost that per vector instead of `D x s`. A row of `n` tokens holds ``ceil(n / T)`` blocks of a full-attention
 group and at most ``ceil(W / T) + 1`` blocks of a sliding group of window `W` (its last ``W - 1``
 positions, plus the block a new token opens).
 """

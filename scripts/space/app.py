@@ -597,18 +597,13 @@ def memory_markdown(result: BatchResult, pool: KVPool) -> str:
         f"{rows}\n\n"
         f"PagedCache utilization: **{paged.utilization:.1%}**, in "
         f"{paged.reserved_bytes // pool.bytes_per_block} blocks of {pool.block_size} tokens "
-        f"({format_bytes(pool.bytes_per_block)} each, keys and values stored as {_stored_as(pool)}).{shared} "
+        f"({format_bytes(pool.bytes_per_block)} each, keys and values stored as {pool.kv_format.description}).{shared} "
         f"The shared pool ({pool.num_blocks} blocks, {format_bytes(pool.num_blocks * pool.bytes_per_block)}, "
         f"**{pool.blocks.capacity * pool.block_size:,} tokens**) is allocated once for all sessions; "
         f"{pool.blocks.num_free} of its {pool.blocks.capacity} blocks are free now. DynamicCache pads every row to the longest; StaticCache is sized to the longest prompt + "
         f"max_new_tokens (sized to the model's whole context, it would reserve "
         f"{format_bytes(result.static_full_context_bytes)})."
     )
-
-
-def _stored_as(pool: KVPool) -> str:
-    stored = pool.kv_format
-    return f"{stored.name} with a float32 scale per token and head" if stored.scaled else stored.name
 
 
 def _plural(count: int, noun: str) -> str:
