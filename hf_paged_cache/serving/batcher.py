@@ -31,6 +31,7 @@ from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
+from .validation import flat_token_ids
 
 DEFAULT_MAX_STEP_TOKENS = 512
 DEFAULT_MAX_RUNNING = 64
@@ -45,6 +46,7 @@ class GroupUsage:
     blocks_free: int
     capacity: int  # most blocks held at once (an elastic pool's grows)
     kv_utilization: float  # tokens stored / token slots of the blocks the batcher's requests hold (0.0 when none)
+    blocks_cached: int = 0  # findable by their prefix (held or free)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class ContinuousBatcher:
         self.pool = running_cache.pool
         self.tokenizer = tokenizer
         self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # a prompt's ids are below it
+        self.eos_token_ids = tuple(flat_token_ids(model.generation_config.eos_token_id))  # the model's own
         self._inbox = Inbox(None if max_waiting is None else as_count("max_waiting", max_waiting, 1))
         self._scheduler = Scheduler(
             model, running_cache, self._inbox,
@@ -191,7 +195,8 @@ class ContinuousBatcher:
         for g, (group, blocks) in enumerate(zip(self.pool.layer_groups, self.pool.groups)):
             used, reserved = sum(stats[g].bytes_used for stats in held), sum(stats[g].bytes_reserved for stats in held)
             utilization = used / reserved if reserved else 0.0
-            groups.append(GroupUsage(group.name, blocks.num_used, blocks.num_free, blocks.capacity, utilization))
+            groups.append(GroupUsage(group.name, blocks.num_used, blocks.num_free, blocks.capacity, utilization,
+                                     blocks.prefix_stats().cached_blocks))
         return BatcherStats(
             waiting=counts.waiting + self._inbox.pending, prefilling=counts.prefilling, running=counts.running,
             finished=counts.finished, failed=counts.failed, cancelled=counts.cancelled,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,7 +38,7 @@ from .errors import APIError, api_error_for, error_response, install_error_handl
 from .generation import ChoiceResult, Generation
 from .lifecycle import ServerLifecycle
 from .limits import BodyLimitMiddleware
-from .metrics import BatcherCollector, ServerMetrics
+from .metrics import BatcherCollector, LabelledStats, ServerMetrics
 from .params import (
     chat_logprobs,
     chat_prompt,
@@ -83,15 +83,17 @@ ERROR_STATUSES = {
 def build_app(
     settings: ServerSettings, load_engine: Callable[[ServerMetrics], EngineClient], *,
     on_load_failure: Callable[[BaseException], None] | None = None,
+    pool_stats: Callable[[], Sequence[LabelledStats]] | None = None,
 ) -> FastAPI:
     """The server's app. `load_engine` builds the engine (loads the model) on a thread once the app starts,
-    given the app's metrics to count requests in; the app's `ServerLifecycle` is ``app.state.lifecycle``."""
+    given the app's metrics to count requests in; the app's `ServerLifecycle` is ``app.state.lifecycle``.
+    `/metrics` reports the pool of the engine's batcher, or what `pool_stats` returns (replicas of one)."""
     created = int(time.time())  # what /v1/models reports as the model's creation time
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
     lifecycle = ServerLifecycle(lambda: load_engine(metrics), shutdown_grace=settings.shutdown_grace,
                                 on_load_failure=on_load_failure)
-    registry.register(BatcherCollector(lambda: lifecycle.batcher))
+    registry.register(BatcherCollector(pool_stats or (lambda: _lone_batcher_stats(lifecycle))))
     app = FastAPI(
         title="hf_paged_cache", summary="An OpenAI-compatible server on a ContinuousBatcher",
         lifespan=lifecycle.lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
@@ -195,6 +197,11 @@ def build_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _lone_batcher_stats(lifecycle: ServerLifecycle) -> list[LabelledStats]:
+    batcher = lifecycle.batcher
+    return [] if batcher is None else [({}, batcher.stats())]
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

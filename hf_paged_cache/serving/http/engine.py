@@ -13,12 +13,11 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from transformers import LogitsProcessorList
 
-from ..batcher import ContinuousBatcher
 from ..request import RequestHandle
 from ..validation import flat_token_ids
 from .detokenize import IncrementalDetokenizer
@@ -49,11 +48,26 @@ class GenerationOptions:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
 
+class Submitter(Protocol):
+    """What `EngineClient` runs requests on: a `ContinuousBatcher`, or the replicas of one
+    (`hf_paged_cache.serving.ray.ReplicaClient`)."""
+
+    context: int | None  # the model's max_position_embeddings
+    vocab_size: int  # a prompt's ids are below it
+    eos_token_ids: tuple[int, ...]  # the model's generation config's
+
+    def submit(self, input_ids: Sequence[int], **generation_kwargs: Any) -> RequestHandle: ...
+
+    def submit_group(self, input_ids: Sequence[int], n: int, **generation_kwargs: Any) -> list[RequestHandle]: ...
+
+    def close(self, timeout: float = 0.0) -> None: ...
+
+
 class EngineClient:
     """Tokenizer and batcher behind one interface for the server's handlers.
 
     Args:
-        batcher: the `ContinuousBatcher` that runs every request (this client closes it in `close`).
+        batcher: what runs every request: a `ContinuousBatcher` (a `Submitter`; this client closes it in `close`).
         tokenizer: its model's tokenizer.
         max_model_len: the most positions a prompt and its answer may take (capped by the model's own).
         chat_template: a Jinja chat template to use instead of the tokenizer's.
@@ -61,7 +75,7 @@ class EngineClient:
     """
 
     def __init__(
-        self, batcher: ContinuousBatcher, tokenizer: Any, *, max_model_len: int | None = None,
+        self, batcher: Submitter, tokenizer: Any, *, max_model_len: int | None = None,
         chat_template: str | None = None, metrics: ServerMetrics | None = None,
     ):
         self.batcher = batcher
@@ -70,11 +84,11 @@ class EngineClient:
         if not limits:
             raise ValueError("the model has no max_position_embeddings: pass max_model_len")
         self.max_model_len = min(limits)
-        self.vocab_size = batcher.model.get_input_embeddings().num_embeddings  # a prompt's ids are below it
+        self.vocab_size = batcher.vocab_size
         self.chat_template = chat_template
         self.metrics = metrics
         # a request stops at the model's EOS ids and the tokenizer's (as vLLM does), unless it says ignore_eos
-        ids = [*flat_token_ids(batcher.model.generation_config.eos_token_id), *flat_token_ids(tokenizer.eos_token_id)]
+        ids = [*batcher.eos_token_ids, *flat_token_ids(tokenizer.eos_token_id)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
 

@@ -7,13 +7,16 @@ batcher when Prometheus scrapes (`BatcherCollector`), so it is never stale and c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..batcher import ContinuousBatcher
+from ..batcher import BatcherStats
+
+LabelledStats = tuple[dict[str, str], BatcherStats]
+"""One batcher's stats with the labels its samples carry (``{}`` for a lone batcher, ``{"replica": id}``)."""
 
 PREFIX = "hf_paged_cache_"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -64,7 +67,7 @@ class ServerMetrics:
 
 
 class BatcherCollector(Collector):
-    """The pool's blocks and the batcher's queue, read when Prometheus scrapes.
+    """The pool's blocks and the batcher's queue, read when Prometheus scrapes (each batcher's, with its labels).
 
     Per layer group (labelled ``group`` when the model has several): ``blocks_total`` (the most blocks that can
     be held), ``blocks_used``, ``blocks_free``, ``blocks_cached`` (findable by prefix, held or free) and
@@ -72,21 +75,22 @@ class BatcherCollector(Collector):
     and the batcher's counters ``prefix_cache_hit_tokens_total`` and ``preemptions_total``.
 
     Args:
-        batcher: returns the batcher, or None while there is none yet (the model is loading): nothing is exported.
+        stats: returns each batcher's stats and labels: none while the model is loading (nothing is exported),
+            one for a lone batcher, one per replica (labelled ``replica``) for replicas of one.
     """
 
-    def __init__(self, batcher: Callable[[], ContinuousBatcher | None]):
-        self._batcher = batcher
+    def __init__(self, stats: Callable[[], Sequence[LabelledStats]]):
+        self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        batcher = self._batcher()
-        if batcher is None:
+        batchers = list(self._stats())
+        if not batchers:
             return
-        stats = batcher.stats()
-        labelled = len(stats.groups) > 1
-        labels = ["group"] if labelled else []
+        names = sorted({name for labels, _ in batchers for name in labels})  # the same keys for every batcher
+        grouped = any(len(stats.groups) > 1 for _, stats in batchers)
+        group_labels = [*names, "group"] if grouped else names
         gauges = {
-            name: GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
+            name: GaugeMetricFamily(PREFIX + name, help_text, labels=group_labels)
             for name, help_text in (
                 ("blocks_total", "KV blocks the pool can hold at once (its capacity)"),
                 ("blocks_used", "KV blocks held by requests"),
@@ -95,21 +99,22 @@ class BatcherCollector(Collector):
                 ("kv_utilization", "Tokens stored / token slots of the KV blocks requests hold"),
             )
         }
-        for usage, blocks in zip(stats.groups, batcher.pool.groups):
-            values = {
-                "blocks_total": usage.capacity,
-                "blocks_used": usage.blocks_used,
-                "blocks_free": usage.blocks_free,
-                "blocks_cached": blocks.prefix_stats().cached_blocks,
-                "kv_utilization": usage.kv_utilization,
-            }
-            for name, value in values.items():
-                gauges[name].add_metric([usage.name] if labelled else [], value)
+        running = GaugeMetricFamily(PREFIX + "requests_running", "Requests prefilling or decoding", labels=names)
+        waiting = GaugeMetricFamily(PREFIX + "requests_waiting", "Requests submitted and not started", labels=names)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
+                                   labels=names)
+        preemptions = CounterMetricFamily(PREFIX + "preemptions", "Running requests preempted (computed again later)",
+                                          labels=names)
+        for labels, stats in batchers:
+            values = [labels.get(name, "") for name in names]
+            for usage in stats.groups:
+                for name, value in (("blocks_total", usage.capacity), ("blocks_used", usage.blocks_used),
+                                    ("blocks_free", usage.blocks_free), ("blocks_cached", usage.blocks_cached),
+                                    ("kv_utilization", usage.kv_utilization)):
+                    gauges[name].add_metric([*values, usage.name] if grouped else values, value)
+            running.add_metric(values, stats.running + stats.prefilling)
+            waiting.add_metric(values, stats.waiting)
+            hits.add_metric(values, stats.prefix_hit_tokens)
+            preemptions.add_metric(values, stats.preemptions)
         yield from gauges.values()
-        yield GaugeMetricFamily(PREFIX + "requests_running", "Requests prefilling or decoding",
-                                value=stats.running + stats.prefilling)
-        yield GaugeMetricFamily(PREFIX + "requests_waiting", "Requests submitted and not started", value=stats.waiting)
-        yield CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
-                                  value=stats.prefix_hit_tokens)
-        yield CounterMetricFamily(PREFIX + "preemptions", "Running requests preempted (computed again later)",
-                                  value=stats.preemptions)
+        yield from (running, waiting, hits, preemptions)
