@@ -75,3 +75,8 @@ class RequestCancelled(RuntimeError):
 
     Raised by `result()` and, after the tokens generated before the cancellation, by iterating the handle.
     """
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine running a request is gone (a replica of a Ray Serve deployment died mid-request); the
+    request ends with this after the tokens it had (a server answers 503: retry)."""

@@ -33,8 +33,10 @@ from .pool.kv_format import KV_DTYPES
 from .pool.memory import parse_memory
 
 if TYPE_CHECKING:  # the serve extra may be missing: main() imports these only when it runs
+    from .serving.batcher import ContinuousBatcher
     from .serving.http.engine import EngineClient
     from .serving.http.metrics import ServerMetrics
+    from .serving.http.settings import ServerSettings
 
 logger = logging.getLogger("hf_paged_cache.serve")
 
@@ -90,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-grace", type=_seconds, default=30.0,
                         help="seconds requests in flight get to finish on SIGTERM / SIGINT (default: 30)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ray = parser.add_argument_group("Ray Serve (the ray extra: pip install 'hf_paged_cache[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve on a Ray Serve application: --replicas engine replicas, each with its own model, "
+                          "batcher and pool, behind one HTTP ingress (hf_paged_cache.serving.ray)")
+    ray.add_argument("--replicas", type=_positive, default=1, help="engine replicas (default: 1)")
+    ray.add_argument("--ray-address", help="an existing Ray cluster to join, e.g. ray://head:10001 or auto "
+                                           "(default: start a local one)")
+    ray.add_argument("--router", default="prefix", choices=["prefix", "pow2"],
+                     help="how requests pick a replica: prefix (the one holding the longest cached prefix of the "
+                          "prompt, balanced against load) or pow2 (Ray Serve's default, power of two choices) "
+                          "(default: prefix)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each engine replica reserves "
+                                                                     "(default: 1)")
+    ray.add_argument("--replica-gpus", type=float, help="Ray GPUs each engine replica reserves (default: 1 with a "
+                                                        "cuda --device, else 0)")
+    ray.add_argument("--replica-threads", type=_positive,
+                     help="torch threads of each engine replica (default: torch's own; set it when replicas share "
+                          "a machine's cores)")
     return parser
 
 
@@ -122,11 +142,21 @@ def _memory(text: str) -> int:
 
 def load_engine(options: argparse.Namespace, chat_template: str | None, metrics: ServerMetrics) -> EngineClient:
     """Load the model and tokenizer, build the batcher on them, and log the pool it holds."""
+    from .serving.http.engine import EngineClient
+
+    batcher, tokenizer = load_batcher(options)
+    engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
+                          metrics=metrics)
+    logger.info("context: %d tokens per request (prompt and answer)", engine.max_model_len)
+    return engine
+
+
+def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
+    """Load the model and tokenizer of `options` (this command's), build the batcher on them and log its pool."""
     import torch
 
     from .kernels import pack_linears
     from .serving.batcher import ContinuousBatcher
-    from .serving.http.engine import EngineClient
 
     logger.info("loading %s (%s on %s)", options.model, options.dtype, options.device)
     model, tokenizer = _load_model(options)
@@ -137,10 +167,8 @@ def load_engine(options: argparse.Namespace, chat_template: str | None, metrics:
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
     )
-    engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
-                          metrics=metrics)
-    _log_pool(batcher, engine.max_model_len)
-    return engine
+    _log_pool(batcher)
+    return batcher, tokenizer
 
 
 def _load_model(options: argparse.Namespace) -> tuple[Any, Any]:
@@ -156,7 +184,7 @@ def _load_model(options: argparse.Namespace) -> tuple[Any, Any]:
     return model.to(options.device).eval(), tokenizer
 
 
-def _log_pool(batcher: Any, max_model_len: int) -> None:
+def _log_pool(batcher: ContinuousBatcher) -> None:
     pool = batcher.pool
     for index, (group, blocks) in enumerate(zip(pool.layer_groups, pool.groups)):
         per_block = pool.group_bytes_per_block(index)
@@ -167,12 +195,13 @@ def _log_pool(batcher: Any, max_model_len: int) -> None:
             logger.info("KV pool, %s: %s blocks of %d tokens, %s keys and values, %s B each (%s B in all); holds %s "
                         "tokens", group.name, f"{blocks.capacity:,}", pool.block_size, pool.kv_format.description, f"{per_block:,}",
                         f"{blocks.capacity * per_block:,}", f"{blocks.capacity * pool.block_size:,}")
-    logger.info("context: %d tokens per request (prompt and answer)", max_model_len)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
+    if not options.ray and (options.replicas != 1 or options.ray_address is not None):
+        parser.error("--replicas and --ray-address need --ray")
     chat_template = None
     if options.chat_template is not None:
         try:
@@ -183,15 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .serving.http.app import build_app
         from .serving.http.server import make_server
-        from .serving.http.settings import ServerSettings
     except ImportError as error:
         parser.error(f"{error.name} is missing: pip install 'hf_paged_cache[serve]'")
 
-    settings = ServerSettings(
-        model_name=options.served_model_name or options.model, model_root=options.model, api_key=options.api_key,
-        metrics_need_key=options.metrics_need_key, max_n=options.max_n, max_body_bytes=options.max_body_bytes,
-        shutdown_grace=options.shutdown_grace,
-    )
+    if options.ray:
+        try:
+            from .serving.ray.app import run_on_ray
+        except ImportError as error:
+            parser.error(f"{error.name} is missing: pip install 'hf_paged_cache[ray]'")
+        return run_on_ray(options, chat_template)
+    settings = server_settings(options)
     failed: list[BaseException] = []
 
     def stop_on_load_failure(error: BaseException) -> None:
@@ -208,6 +238,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(handled, _exit_now)
     server.run()
     return 1 if failed else 0
+
+
+def server_settings(options: argparse.Namespace) -> ServerSettings:
+    """The app's settings from this command's `options`."""
+    from .serving.http.settings import ServerSettings
+
+    return ServerSettings(
+        model_name=options.served_model_name or options.model, model_root=options.model, api_key=options.api_key,
+        metrics_need_key=options.metrics_need_key, max_n=options.max_n, max_body_bytes=options.max_body_bytes,
+        shutdown_grace=options.shutdown_grace,
+    )
 
 
 def _exit_now(signum: int, frame: FrameType | None) -> None:

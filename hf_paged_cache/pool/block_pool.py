@@ -356,6 +356,12 @@ class BlockPool:
             if self.hold_cached(found[:run], looked_up=len(found)):
                 return [block_id for block_id, _ in found[:run]]
 
+    def cached_keys(self, limit: int) -> list[bytes]:
+        """The keys of the (at most) `limit` blocks most recently made findable by prefix, oldest first."""
+        with self._lock:
+            keys = list(self._by_hash)  # registration order: an evicted key registered again moves last
+        return keys[-limit:] if limit > 0 else []
+
     def prefix_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._hits, self._misses, self._evictions, len(self._cached))
 

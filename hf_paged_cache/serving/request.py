@@ -121,7 +121,8 @@ class RequestHandle:
         with self._changed:
             return self._cancel_requested and not self._finished
 
-    # ------------------------------------------------------------------ called by the batcher's loop
+    # ------------------------------------------------------------------ called by what produces the tokens
+    # (the batcher's loop; for a server on Ray Serve replicas, the ingress's stream from a replica)
 
     def _emit(
         self, token: int, logprob: TokenLogprob | None = None, prompt_logprobs: list[TokenLogprob] | None = None

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ...errors import BatcherClosed, PoolExhaustedError, QueueFullError
+from ...errors import BatcherClosed, EngineUnavailable, PoolExhaustedError, QueueFullError
 from .protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("hf_paged_cache.serve")
@@ -65,7 +65,8 @@ def api_error_for(error: BaseException) -> APIError:
     """What the batcher raised (at `submit`, or at the end of a handle) as an error for the client.
 
     `ValueError` (an argument it refuses) and `PoolExhaustedError` (a request the pool cannot hold even
-    alone) are the request's fault: 400. A full queue is 429. A closed batcher (`BatcherClosed`) is a 503.
+    alone) are the request's fault: 400. A full queue is 429. A closed batcher (`BatcherClosed`) and a replica
+    that died with the request (`EngineUnavailable`) are 503.
     Anything else is a 500.
     """
     if isinstance(error, APIError):
@@ -79,6 +80,8 @@ def api_error_for(error: BaseException) -> APIError:
         return APIError(429, f"the server is busy: {error}; retry later", code="queue_full")
     if isinstance(error, BatcherClosed):
         return APIError(503, f"the server is shutting down: {error}", code="shutting_down")
+    if isinstance(error, EngineUnavailable):
+        return APIError(503, f"{error}; retry", code="engine_unavailable")
     return APIError(500, "internal server error", code="internal_error")
 
 
