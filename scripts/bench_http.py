@@ -82,6 +82,23 @@ Command (the full run, default model)::
     python scripts/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
 
 and with vLLM too: ``--contenders ours,transformers,batcher,vllm``.
+
+**On Ray Serve** (``--ray``): our server as a Ray Serve application (``serve MODEL --ray``, the ``ray``
+extra), on a workload with shared system prompts: ``--prefixes`` prompts of ``--prefix-tokens`` tokens (random
+token ids of their own seed, decoded), each request one of them (drawn at random) followed by its
+ShareGPT-shaped prompt. Contenders:
+
+- ``ray-prefix``: ``--replicas`` engine replicas (``--replica-threads THREADS / replicas`` each), routed by
+  `PrefixAwareRouter`;
+- ``ray-pow2``: the same replicas, routed by Ray Serve's default (power of two choices);
+- ``ray-single``: one replica with all ``--threads``, for what a second replica gives on this machine.
+
+Every replica gets the whole KV budget. Besides tokens/s and the latencies, each round reports the **prefix hit
+rate**: prompt tokens the replicas took from their prefix caches during the timed requests (``/metrics``
+``prefix_cache_hit_tokens_total`` summed over replicas, read before and after) / prompt tokens sent. The
+warm-up uses prefixes of another seed, so every timed hit is earned by the timed requests. Command::
+
+    python scripts/bench_http.py --ray --replicas 2 --threads 2 --repeats 3 --out results/bench_http_ray.json
 """
 
 from __future__ import annotations
@@ -93,6 +110,8 @@ import itertools
 import json
 import math
 import os
+import random
+import re
 import signal
 import socket
 import statistics
@@ -125,8 +144,10 @@ from hf_paged_cache.bench import (
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 
-CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm")
+CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm", "ray-prefix", "ray-pow2", "ray-single")
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
+RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
+STATS_SETTLE_S = 1.5  # Ray replicas post their pool stats every 0.5 s, and the ingress reads them as often
 BLOCK_SIZE = 16  # our server's and ContinuousBatcher's default block size
 TRANSFORMERS_PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default in transformers 5.24
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU block size (vllm/platforms/cpu.py, 0.32)
@@ -141,9 +162,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="local folder, Hub id, gemma-3-270m, or default: the offline SmolLM2-135M-Instruct "
                              "folder under ~/.cache/hf_paged_cache (default: default)")
-    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+    parser.add_argument("--contenders",
                         help=f"comma-separated, timed in this order every round, from {','.join(CONTENDERS)} "
-                             f"(default: {','.join(DEFAULT_CONTENDERS)})")
+                             f"(default: {','.join(DEFAULT_CONTENDERS)}; with --ray {','.join(RAY_CONTENDERS)})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model and KV cache dtype of every contender (default: float32)")
     parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48)")
@@ -167,9 +188,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="seconds a server may take to answer /health (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--ray", action="store_true",
+                        help="our server on Ray Serve, prefix-aware against default routing, on shared system "
+                             f"prompts (contenders: {','.join(RAY_CONTENDERS)})")
+    parser.add_argument("--replicas", type=int, default=2, help="--ray: engine replicas (default: 2)")
+    parser.add_argument("--prefixes", type=int, default=None,
+                        help="shared system prompts the requests start with (default: 4 with --ray, else none)")
+    parser.add_argument("--prefix-tokens", type=int, default=192,
+                        help="tokens of each shared system prompt (default: 192)")
     parser.add_argument("--out", default="results/bench_http.json", help="JSON output path (default: "
                         "results/bench_http.json)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.contenders = args.contenders or ",".join(RAY_CONTENDERS if args.ray else DEFAULT_CONTENDERS)
+    if args.prefixes is None:
+        args.prefixes = 4 if args.ray else 0
+    return args
 
 
 # ------------------------------------------------------------------ workload
@@ -186,11 +219,16 @@ class Job:
 
 def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, *,
               count: int, seed: int, max_new: int) -> list[Job]:
+    """The workload's requests as text; with ``--prefixes``, each after one of the shared system prompts."""
+    token_range = prompt_token_range(model, tokenizer)
     workload = sharegpt_workload(count, seed=seed, max_prompt=args.max_prompt, max_output=10**6,
-                                 token_range=prompt_token_range(model, tokenizer))
+                                 token_range=token_range)
+    rng = random.Random(seed)
+    prefixes = [tokenizer.decode([rng.randrange(*token_range) for _ in range(args.prefix_tokens)])
+                for _ in range(args.prefixes)]
     jobs = []
     for request in workload.requests:
-        text = tokenizer.decode(list(request.prompt_ids))
+        text = (rng.choice(prefixes) if prefixes else "") + tokenizer.decode(list(request.prompt_ids))
         max_tokens = min(max(round(request.output_len * args.output_scale), 1), max_new)
         jobs.append(Job(text, list(tokenizer(text).input_ids), max_tokens))
     return jobs
@@ -227,6 +265,7 @@ class Round:
     seconds: float  # first request sent to last stream ended
     streams: list[Stream]
     startup_seconds: float | None = None  # server process started to /health answering
+    prefix_hit_tokens: float | None = None  # prompt tokens served from the prefix cache (ours, from /metrics)
 
 
 def request_body(contender: str, job: Job) -> dict[str, Any]:
@@ -329,8 +368,16 @@ class ServerSettings:
     vllm_python: str = DEFAULT_VLLM_PYTHON
     max_model_len: int = 2048  # vLLM's --max-model-len: the longest request, in whole vLLM blocks
     max_num_seqs: int = 16  # vLLM's --max-num-seqs: the concurrency
+    replicas: int = 2  # engine replicas of ray-prefix and ray-pow2
 
     def command(self, contender: str, port: int | str) -> list[str]:
+        if contender in RAY_CONTENDERS:
+            replicas = 1 if contender == "ray-single" else self.replicas
+            return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
+                    self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
+                    "--ray", "--replicas", str(replicas), "--replica-cpus", "0",
+                    "--replica-threads", str(max(1, self.threads // replicas)),
+                    "--router", "pow2" if contender == "ray-pow2" else "prefix"]
         if contender in ("ours", "ours-stock"):
             stock = ["--no-packed-linears"] if contender == "ours-stock" else []
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
@@ -441,9 +488,24 @@ def run_server_round(contender: str, settings: ServerSettings, jobs: list[Job], 
                      concurrency: int, log_dir: Path) -> Round:
     with running_server(contender, settings, log_dir) as (url, startup_seconds):
         asyncio.run(drive_http(url, [request_body(contender, j) for j in warmup], concurrency))
+        hits_before = prefix_hit_tokens(url, contender)
         timed = asyncio.run(drive_http(url, [request_body(contender, j) for j in jobs], concurrency))
+        hits_after = prefix_hit_tokens(url, contender)
     timed.startup_seconds = startup_seconds
+    if hits_before is not None and hits_after is not None:
+        timed.prefix_hit_tokens = hits_after - hits_before
     return timed
+
+
+def prefix_hit_tokens(url: str, contender: str) -> float | None:
+    """Prompt tokens our server (every replica of it) has taken from its prefix cache so far; None for others."""
+    if not contender.startswith(("ours", "ray")):
+        return None
+    if contender.startswith("ray"):
+        time.sleep(STATS_SETTLE_S)  # the replicas' latest stats reach the ingress
+    text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+    return sum(float(v) for v in re.findall(r"^hf_paged_cache_prefix_cache_hit_tokens_total(?:\{[^}]*\})? (\S+)$",
+                                           text, flags=re.MULTILINE))
 
 
 def run_batcher_round(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jobs: list[Job],
@@ -469,6 +531,8 @@ def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
         "usage_reported": sum(s.completion_tokens is not None for s in timed.streams),
         "prompt_tokens": sum(s.prompt_tokens or 0 for s in timed.streams),
         "startup_seconds": timed.startup_seconds,
+        "prefix_hit_rate": (None if timed.prefix_hit_tokens is None
+                            else timed.prefix_hit_tokens / sum(len(j.prompt_ids) for j in jobs)),
     }
 
 
@@ -484,6 +548,7 @@ def summarise(rounds: list[Round], jobs: list[Job]) -> dict[str, Any]:
         "tokens_per_s": med("tokens_per_s"), "tokens_per_s_range": [min(throughput), max(throughput)],
         "ttft_p50_s": med("ttft_p50_s"), "ttft_p95_s": med("ttft_p95_s"),
         "itl_p50_s": med("itl_p50_s"), "itl_p95_s": med("itl_p95_s"),
+        "prefix_hit_rate": (None if per_round[0]["prefix_hit_rate"] is None else med("prefix_hit_rate")),
         "texts_same_every_round": sum(all(r.streams[i].text == t for r in rounds) for i, t in enumerate(first)),
         "rounds": per_round,
         "texts": first,
@@ -512,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = ServerSettings(model_path, budget, max(1, budget // (page_size * bytes_per_token)), args.cb_page_size,
                               args.threads, args.start_timeout, dtype=args.dtype, vllm_python=args.vllm_python,
                               max_model_len=math.ceil(longest_request(jobs + warmup) / VLLM_BLOCK_SIZE)
-                              * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency)
+                              * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency, replicas=args.replicas)
 
     runs: dict[str, list[Round]] = {name: [] for name in contenders}
     plan = [name for _ in range(args.repeats) for name in contenders]
@@ -533,7 +598,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokenized again by each server", "num_requests": n, "concurrency": args.concurrency,
         "prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "output_tokens": sum(j.max_tokens for j in jobs),
         "prompt_lens": [len(j.prompt_ids) for j in jobs], "max_tokens": [j.max_tokens for j in jobs],
-        "budget_bytes": budget,
+        "budget_bytes": budget, "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
         "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
         "commands": {c: settings.command_line(c) for c in contenders if c != "batcher"},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
@@ -565,6 +630,7 @@ def print_report(results: dict[str, Any]) -> None:
         "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
         "TTFT p50 / p95 s": f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f}",
         "ITL p50 / p95 ms": f"{r['itl_p50_s'] * 1e3:.0f} / {r['itl_p95_s'] * 1e3:.0f}",
+        "prefix hits": "" if r.get("prefix_hit_rate") is None else f"{r['prefix_hit_rate']:.1%}",
         "lengths as asked": f"{min(m['lengths_as_requested'] for m in r['rounds'])}/{n}",
         "same text every round": f"{r['texts_same_every_round']}/{n}",
     } for name, r in results["contenders"].items()]

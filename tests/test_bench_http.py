@@ -108,6 +108,22 @@ def test_vllm_is_not_a_default_contender() -> None:
     assert args.contenders.split(",") == ["ours", "transformers", "batcher"] and args.dtype == "float32"
 
 
+def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
+    script = load_script("bench_http")
+    args = script.parse_args(["--ray", "--prefixes", "3", "--prefix-tokens", "20", "--max-prompt", "16"])
+    assert args.contenders.split(",") == ["ray-prefix", "ray-pow2", "ray-single"] and args.replicas == 2
+    assert script.parse_args([]).prefixes == 0  # the plain run's workload is unchanged
+    model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(DATA / "char_tokenizer")
+    jobs = script.make_jobs(model, tokenizer, args, count=12, seed=0, max_new=4)
+    heads = {job.text[:20] for job in jobs}  # one character per token
+    assert len(heads) == 3 and all(len(job.prompt_ids) > 20 for job in jobs)
+    assert script.make_jobs(model, tokenizer, args, count=12, seed=0, max_new=4) == jobs  # seeded
+    settings = script.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0, replicas=2)
+    assert settings.command("ray-pow2", 1)[-9:] == ["--ray", "--replicas", "2", "--replica-cpus", "0",
+                                                    "--replica-threads", "1", "--router", "pow2"]
+    assert settings.command("ray-single", 1)[-8:-6] == ["--replicas", "1"]
+
+
 def test_plot_bench_draws_http(http_result: dict[str, Any], results_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])

@@ -138,6 +138,44 @@ def test_a_replica_killed_mid_stream_fails_its_requests_and_the_others_go_on(ray
         ray.shutdown()
 
 
+def test_a_prefix_summary_counts_the_leading_blocks_a_replica_holds():
+    """The router's view of a replica (`PrefixSummary`) agrees with its pool: the leading full blocks of a
+    prompt it cached (never the block of the prompt's last token), none for another model's, bounded keys."""
+    from tiny_models import tiny_model
+
+    from hf_paged_cache import ContinuousBatcher
+    from hf_paged_cache.serving.ray.summary import KEY_BYTES, PrefixSummary
+
+    prompt = list(range(5, 55))  # 50 tokens: blocks 0-2 full, and the prompt's last token in block 3
+    with ContinuousBatcher(tiny_model("llama"), num_blocks=32) as batcher, \
+            ContinuousBatcher(tiny_model("llama", seed=1), num_blocks=32) as other:
+        batcher.submit(prompt, max_new_tokens=2, do_sample=False).result()
+        summary = PrefixSummary.of(batcher)
+        assert summary.cached_blocks(prompt) == 3 and summary.in_flight == 0
+        assert summary.cached_blocks(prompt[:33]) == 2  # 2 full blocks before its last token
+        assert summary.cached_blocks(prompt[:20] + [99] * 30) == 1  # parts in block 1
+        assert summary.cached_blocks([7] + prompt[1:]) == 0
+        assert all(len(key) == KEY_BYTES for key in summary.keys)
+        assert PrefixSummary.of(other).cached_blocks(prompt) == 0  # another model object: another root
+        assert len(PrefixSummary.of(batcher, limit=1).keys) == 1  # the newest only: block 0's key is not in it
+        assert PrefixSummary.of(batcher, limit=1).cached_blocks(prompt) == 0
+        assert batcher.stats().prefix_hit_tokens == 0
+        batcher.submit(prompt, max_new_tokens=2, do_sample=False).result()
+        assert batcher.stats().prefix_hit_tokens == 3 * 16  # what the summary promised
+
+
+def test_serve_run_arguments_are_the_serve_commands():
+    from hf_paged_cache.serve import build_parser
+    from hf_paged_cache.serving.ray.app import builder_argv
+
+    argv = builder_argv({"model": "some/model", "replicas": "2", "max_memory": "64MiB", "packed_linears": "false",
+                         "trust_remote_code": "true", "metrics_need_key": "false", "router": "pow2"})
+    assert argv == ["some/model", "--ray", "--replicas", "2", "--max-memory", "64MiB", "--no-packed-linears",
+                    "--trust-remote-code", "--router", "pow2"]
+    options = build_parser().parse_args(argv)
+    assert options.ray and options.replicas == 2 and not options.packed_linears and options.router == "pow2"
+
+
 # ----------------------------------------------------------------------------------------------- helpers
 
 

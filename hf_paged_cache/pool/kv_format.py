@@ -106,14 +106,14 @@ class KVFormat:
         """Stored `elements` ``[..., D]`` (with `scales` ``[..., G, P]``) back in `dtype`."""
         if scales is None:
             return elements.to(dtype)
-        groups = scales.shape[-2]
-        codes = elements.to(torch.float32).unflatten(-1, (groups, -1))  # [..., G, D/G]
+        decoded = elements.to(torch.float32)  # a tensor of its own: scaled in place (out-of-place
+        grouped = decoded.unflatten(-1, (scales.shape[-2], -1))  # broadcasts cost ~15x on a CPU), [..., G, D/G]
         scales = scales.to(torch.float32)
         if self.affine:
-            decoded = torch.addcmul(scales[..., :1], codes, scales[..., 1:])  # minimum + code x step
+            grouped.mul_(scales[..., 1:]).add_(scales[..., :1])  # minimum + code x step
         else:
-            decoded = codes * scales
-        return decoded.flatten(-2).to(dtype)
+            grouped.mul_(scales)
+        return decoded.to(dtype)
 
     def check_device(self, device: torch.device) -> None:
         """Raise `ValueError` if `device` cannot encode and decode this format."""

@@ -63,27 +63,29 @@ def app_builder(args: dict[str, str]) -> Any:
     command's options by name (``max_memory=64MiB``; flags as ``true`` / ``false``)."""
     from ...serve import build_parser
 
-    args = dict(args)
-    argv = [str(args.pop("model", "default")), "--ray"]
-    for name, value in args.items():
-        flag = "--" + name.replace("_", "-")
-        if str(value).lower() in ("true", "false"):
-            if str(value).lower() == "true":
-                argv.append(flag)
-            elif flag in _negatable():
-                argv.append("--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    options = build_parser().parse_args(argv)
+    options = build_parser().parse_args(builder_argv(args))
     chat_template = options.chat_template.read_text(encoding="utf-8") if options.chat_template else None
     return build_application(options, chat_template)
 
 
-def _negatable() -> set[str]:
+def builder_argv(args: dict[str, str]) -> list[str]:
+    """``serve run``'s ``name=value`` arguments as the serve command's: ``["MODEL", "--ray", "--name", "value",
+    ...]``; ``name=true`` is ``--name``, ``name=false`` is ``--no-name`` (or nothing, for a plain flag)."""
     from ...serve import build_parser
 
-    return {option for action in build_parser()._actions if isinstance(action, argparse.BooleanOptionalAction)
-            for option in action.option_strings if not option.startswith("--no-")}
+    negatable = {option for action in build_parser()._actions if isinstance(action, argparse.BooleanOptionalAction)
+                 for option in action.option_strings}
+    args = dict(args)
+    argv = [str(args.pop("model", "default")), "--ray"]
+    for name, value in args.items():
+        flag, text = "--" + name.replace("_", "-"), str(value)
+        if text.lower() == "true":
+            argv.append(flag)
+        elif text.lower() == "false":
+            argv += ["--no-" + flag[2:]] if "--no-" + flag[2:] in negatable else []
+        else:
+            argv += [flag, text]
+    return argv
 
 
 def run_on_ray(options: argparse.Namespace, chat_template: str | None) -> int:

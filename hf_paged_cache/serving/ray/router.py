@@ -38,13 +38,13 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """Prefix affinity balanced against load, then power of two choices (see the module docstring).
 
     Options (``request_router_kwargs``): ``imbalance`` (the most requests the replica with the best prefix
-    may have in flight beyond the least loaded one; default 4) and ``memory`` (blocks of recently routed
-    prompts remembered; default 16,384, 16 bytes each) and ``block_size`` (of the replicas' pools, for the
-    memory; default 16).
+    may have in flight beyond the least loaded one; default 4), ``memory`` (blocks of recently routed
+    prompts remembered, each a 16-byte key and a replica id; default 16,384) and ``block_size`` (of the
+    replicas' pools, for the memory; default 16).
     """
 
     def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, memory: int = DEFAULT_MEMORY,
-                         block_size: int = 16, **_: object) -> None:
+                         block_size: int = 16) -> None:
         self._imbalance = imbalance
         self._memory_limit = memory
         self._block_size = block_size
