@@ -144,12 +144,13 @@ def attend_from_pool(
     row_sinks = None if sinks is None else sinks.view(1, heads, groups, 1)  # [1, H, g, 1]
     outs = []
     with inputs.lock.shared():
+        stored = _every_row_read(inputs)
         for b in range(batch_size):
             picked, query_span = inputs.queries.picked[b], inputs.queries.spans[b]
             if query_span is None:  # this chunk of the row is all padding (chunked prefill): nothing to compute
                 outs.append(query.new_zeros(1, query_heads, query_length, value_dim))
                 continue
-            keys, values, key_positions, key_span = _row_keys_and_values(inputs, b, picked, query_span)
+            keys, values, key_positions, key_span = _row_keys_and_values(inputs, b, picked, query_span, stored)
             row_query = query[b : b + 1] if picked is None else query[b : b + 1].index_select(2, picked)
             q_len = row_query.shape[2]  # row_query: [1, Hq, q', D]
             plain = softcap is None and row_sinks is None
@@ -230,14 +231,32 @@ def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tens
     return full.index_copy_(2, picked, row_out)
 
 
+def _every_row_read(inputs: PagedAttentionInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """For a pool not stored as read (int8, float8, a cast): every row's keys ``[H * n_b, D]`` and values,
+    gathered and decoded in one pass each (per row, the few small ops of decoding cost more than the work).
+    None for a plain pool, whose rows are gathered one by one (a copy either way)."""
+    if inputs.keys.plain is not None:
+        return None
+    rows = inputs.row_keys.rows
+    every = torch.cat(rows)  # [sum of H * n_b]
+    sizes = [r.shape[0] for r in rows]
+    return list(inputs.keys.gather(every).split(sizes)), list(inputs.values.gather(every).split(sizes))
+
+
 def _row_keys_and_values(
-    inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int]
+    inputs: PagedAttentionInputs, row: int, picked: torch.Tensor | None, query_span: tuple[int, int],
+    stored: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """Row `row`'s keys ``[1, H, n, D]``, values ``[1, H, n, Dv]``, their positions ``[n]`` and first/last one."""
+    """Row `row`'s keys ``[1, H, n, D]``, values ``[1, H, n, Dv]``, their positions ``[n]`` and first/last one
+    (read from `stored`, every row's as `_every_row_read` gives them, when given)."""
     heads, key_dim, value_dim = inputs.num_kv_heads, inputs.keys.dim, inputs.values.dim
-    rows = inputs.row_keys.rows[row]  # [H * n] head-major storage rows
-    keys = inputs.keys.gather(rows).view(1, heads, -1, key_dim)  # [1, H, n, D]
-    values = inputs.values.gather(rows).view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+    if stored is None:
+        rows = inputs.row_keys.rows[row]  # [H * n] head-major storage rows
+        keys, values = inputs.keys.gather(rows), inputs.values.gather(rows)  # [H * n, D], [H * n, Dv]
+    else:
+        keys, values = stored[0][row], stored[1][row]
+    keys = keys.view(1, heads, -1, key_dim)  # [1, H, n, D]
+    values = values.view(1, heads, -1, value_dim)  # [1, H, n, Dv]
     positions, span = inputs.row_keys.positions[row], inputs.row_keys.spans[row]
     if inputs.new_states is None:
         return keys, values, positions, span
