@@ -271,7 +271,7 @@ class Round:
 def request_body(contender: str, job: Job) -> dict[str, Any]:
     """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
     body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
-    if contender in ("ours", "ours-stock", "vllm"):
+    if contender in ("ours", "ours-stock", "vllm", *RAY_CONTENDERS):
         return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
     # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's

@@ -122,6 +122,7 @@ def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
     assert settings.command("ray-pow2", 1)[-9:] == ["--ray", "--replicas", "2", "--replica-cpus", "0",
                                                     "--replica-threads", "1", "--router", "pow2"]
     assert settings.command("ray-single", 1)[-8:-6] == ["--replicas", "1"]
+    assert script.request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
 
 
 def test_plot_bench_draws_http(http_result: dict[str, Any], results_dir: Path, tmp_path: Path) -> None:
