@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds a server may take to answer /health (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--ray", action="store_true",
-                        help="our server on Ray Serve, prefix-aware against default routing, on shared system "
+                        help="our server on Ray Serve, prefix-aware routing against Ray Serve's own, on shared system "
                              f"prompts (contenders: {','.join(RAY_CONTENDERS)})")
     parser.add_argument("--replicas", type=int, default=2, help="--ray: engine replicas (default: 2)")
     parser.add_argument("--prefixes", type=int, default=None,

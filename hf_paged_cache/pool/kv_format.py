@@ -20,8 +20,8 @@ fixed by the block's first token). A scale per token also follows the outlier to
 first token's keys are often far larger than the rest) without coarsening their neighbours.
 
 Why int8 is affine in groups of 32: measured on the default model (greedy rows identical to float32 out of
-32 ragged rows of text), symmetric codes with one scale per vector kept 20, symmetric groups of 32 kept 18,
-affine codes per vector 19 and affine groups of 32 kept 30, as many as bfloat16 (29). Rotary keys sit off
+32 ragged rows of text, with float32 pairs), symmetric codes with one scale per vector kept 20, symmetric
+groups of 32 kept 18, affine codes per vector 19 and affine groups of 32 kept 30, as many as bfloat16 (29). Rotary keys sit off
 zero within each half of a head (the halves are rotated as pairs), which a symmetric code spends half its
 levels on. The pair is float16 to keep the cost at 8 bytes a vector: an int8 pool refuses (`ValueError`, the
 pool left as it was) a group whose minimum or range float16 cannot hold (beyond 65504).
