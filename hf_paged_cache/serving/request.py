@@ -67,6 +67,15 @@ class RequestHandle:
         if error is not None:
             raise error
 
+    def with_logprobs(self, logprobs: bool) -> Iterator[tuple[int, TokenLogprob | None]]:
+        """As iterating the handle, each token with its log-probability (None unless `logprobs`: a request
+        submitted with ``logprobs=k``)."""
+        recorded: list[TokenLogprob] = []
+        for count, token in enumerate(self):
+            if logprobs and count >= len(recorded):
+                recorded = self.logprobs  # a copy of all so far: taken again only when used up
+            yield token, recorded[count] if logprobs else None
+
     def result(self, timeout: float | None = None) -> list[int]:
         """Block until the request is done; its generated token ids (the prompt not included).
 

@@ -171,17 +171,14 @@ def _read_handle(
             handle.cancel()
 
     count, last, gaps = 0, None, []
-    logprobs: list[TokenLogprob] = []
     error: BaseException | None = None
     try:
-        for token in handle:
+        for token, logprob in handle.with_logprobs(choice.logprobs):
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
             last = now
-            if choice.logprobs and count >= len(logprobs):
-                logprobs = handle.logprobs  # a copy of all so far: taken again only when used up
-            put(token, logprobs[count] if choice.logprobs else None, None)
+            put(token, logprob, None)
             count += 1
     except BaseException as failure:  # noqa: BLE001 (handed to the loop, which raises it to the handler)
         error = failure

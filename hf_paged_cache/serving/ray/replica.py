@@ -137,15 +137,10 @@ class EngineReplica:
 def _stream_handle(choice: int, handle: RequestHandle, logprobs: bool, loop: asyncio.AbstractEventLoop,
                    events: asyncio.Queue) -> None:
     """On a thread of its own: hand each token of `handle` to the loop as an event, then its end."""
-    count, recorded = 0, []
     try:
-        for token in handle:
-            if logprobs and count >= len(recorded):
-                recorded = handle.logprobs  # a copy of all so far: taken again only when used up
+        for count, (token, logprob) in enumerate(handle.with_logprobs(logprobs)):
             prompt_logprobs = handle.prompt_logprobs if count == 0 else None
-            loop.call_soon_threadsafe(events.put_nowait, ("token", choice, token,
-                                                          recorded[count] if logprobs else None, prompt_logprobs))
-            count += 1
+            loop.call_soon_threadsafe(events.put_nowait, ("token", choice, token, logprob, prompt_logprobs))
         end: Event = ("end", choice, handle.finish_reason or "length", None)
     except Exception as error:  # noqa: BLE001 (sent to the ingress, which answers it)
         end = ("end", choice, None, _error_fields(error))

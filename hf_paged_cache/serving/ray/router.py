@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ...pool.block_pool import hash_block
-from .summary import PrefixSummary
+from .summary import PrefixSummary, prompt_block_keys
 
 SUMMARY_STAT = "prefix_summary"  # the key of a replica's routing stats that holds its PrefixSummary
 DEFAULT_IMBALANCE = 4  # requests
 DEFAULT_MEMORY = 16384  # blocks
+ROUTER_ROOT = b""  # the root this router's own memory of routed prompts chains from
 
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
@@ -72,7 +72,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         prompt = _prompt_of(pending_request)
         if not prompt:
             return
-        for key in _chain(prompt, self._block_size):
+        for key in prompt_block_keys(prompt, self._block_size, ROUTER_ROOT):
             self._routed[key] = replica_id
             self._routed.move_to_end(key)
         while len(self._routed) > self._memory_limit:
@@ -81,7 +81,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def _routed_hits(self, prompt: Sequence[int]) -> dict[ReplicaID, int]:
         """The replica the prompt's first block was last sent to, with how many leading blocks went there."""
         first, run = None, 0
-        for key in _chain(prompt, self._block_size):
+        for key in prompt_block_keys(prompt, self._block_size, ROUTER_ROOT):
             replica = self._routed.get(key)
             if replica is None or (first is not None and replica != first):
                 break
@@ -108,11 +108,3 @@ def _summary_hits(replica: RunningReplica, prompt: Sequence[int]) -> int:
     summary = replica.routing_stats.get(SUMMARY_STAT)
     return summary.cached_blocks(prompt) if isinstance(summary, PrefixSummary) else 0
 
-
-def _chain(prompt: Sequence[int], block_size: int) -> list[bytes]:
-    """Keys of the prompt's full blocks before its last token, chained from an empty root (the router's own)."""
-    keys, parent = [], b""
-    for start in range(0, (len(prompt) - 1) // block_size * block_size, block_size):
-        parent = hash_block(parent, prompt[start : start + block_size])
-        keys.append(parent)
-    return keys

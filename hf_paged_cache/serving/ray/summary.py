@@ -13,7 +13,7 @@ period, whatever the pool holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ...cache.inputs import prefix_root
@@ -46,10 +46,17 @@ class PrefixSummary:
 
         Only blocks before the prompt's last token count: the batcher computes at least one token of a prompt.
         """
-        size, parent, held = self.block_size, self.root, 0
-        for start in range(0, (len(prompt) - 1) // size * size, size):
-            parent = hash_block(parent, prompt[start : start + size])
-            if parent[:KEY_BYTES] not in self.keys:
+        held = 0
+        for key in prompt_block_keys(prompt, self.block_size, self.root):
+            if key[:KEY_BYTES] not in self.keys:
                 break
             held += 1
         return held
+
+
+def prompt_block_keys(prompt: Sequence[int], block_size: int, root: bytes) -> Iterator[bytes]:
+    """The chained keys (`hash_block`, from `root`) of the prompt's full blocks before its last token, in order."""
+    parent = root
+    for start in range(0, (len(prompt) - 1) // block_size * block_size, block_size):
+        parent = hash_block(parent, prompt[start : start + block_size])
+        yield parent
