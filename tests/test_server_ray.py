@@ -84,8 +84,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(ray_server)
     its 96 tokens cached, which with two replicas happens only if each prefix's requests share a replica."""
     api = client(ray_server)
     prefixes = [f"{letter * 8} system prompt {i}: ".ljust(96, letter) for i, letter in enumerate("xyz")]
-    time.sleep(1.5)  # the replicas' stats of earlier tests reach /metrics (posted and read every 0.5 s)
-    before = _hit_tokens(ray_server)
+    before = _settled_hit_tokens(ray_server)  # the earlier tests' hits included, however late they are posted
     for question in range(4):
         for prefix in prefixes:
             api.completions.create(model=NAME, prompt=prefix + f"question {question}?", max_tokens=2, temperature=0)
@@ -186,6 +185,22 @@ def _metrics(server: Server) -> str:
 def _hit_tokens(server: Server) -> float:
     return sum(float(v) for v in re.findall(r"hf_paged_cache_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)",
                                            _metrics(server)))
+
+
+def _settled_hit_tokens(server: Server, quiet_s: float = 2.0, timeout_s: float = 30.0) -> float:
+    """The prefix hit tokens in ``/metrics`` once both replicas report and the total has not moved for
+    `quiet_s` (replicas post their stats every 0.5 s; under load a post can arrive seconds late)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        reporting = len(set(REPLICA.findall(_metrics(server))))
+        total = _hit_tokens(server)
+        if reporting < 2 or total != last:
+            last, since = total, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return total
+        time.sleep(0.25)
+    raise AssertionError(f"the replicas' prefix hits did not settle in {timeout_s} s")
 
 
 def _running(server: Server) -> dict[str, float]:
