@@ -253,3 +253,17 @@ def test_generate_many_and_a_shared_prefix():
         stats = batcher.running_cache.stats()
     assert stats.prefix_hits >= 3 * 8  # requests 2-4 found the system prompt's 8 blocks
     assert generate_many(model, prompts, max_new_tokens=5, block_size=4) == expected
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_requests_arriving_together_compute_their_shared_prefix_once(model_type):
+    """Four prompts sharing 8 blocks, submitted at once to a batcher that could run them all: the prefix takes
+    several steps to compute (8 tokens a step), and the others wait for it rather than computing it again,
+    while an unrelated prompt runs beside it."""
+    model = tiny_model(model_type)
+    system = list(range(3, 3 + 32))
+    prompts = [system + [40 + i, 50 + i] for i in range(4)] + [list(range(60, 90))]
+    expected = [alone(model, p, max_new_tokens=5) for p in prompts]
+    with ContinuousBatcher(model, block_size=4, max_running=8, max_step_tokens=8) as batcher:
+        assert batcher.generate(prompts, max_new_tokens=5) == expected
+        assert batcher.stats().prefix_hit_tokens == 3 * 32

@@ -7,7 +7,8 @@ chunks), then decode (`running`: one row each of the running cache, in order). E
    until each reaches its longest (prompt and ``max_new_tokens``; `serving.admission`), or, with
    ``reserve_new_tokens=False``, while its prompt fits with one block of headroom per request in flight,
    and fewer than `max_running` are in flight; an admitted request starts from the longest prefix the pool
-   has cached;
+   has cached, and a request whose prompt starts with full blocks a prefilling request has still to compute
+   waits for them (behind it, the requests that share nothing are admitted) rather than computing them twice;
 2. **plan** a decode row for every running request and the prompt chunks of the prefilling ones, oldest
    first, `max_step_tokens` prompt tokens in all (`plan`), which the executor runs;
 3. **apply** what the step kept (`apply`): each picked token joins its request; a request whose prompt is
@@ -217,9 +218,14 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        """Start waiting requests, oldest first, while the pool can hold their tokens."""
+        """Start waiting requests, oldest first, while the pool can hold their tokens; those waiting for a prefix
+        in progress stay where they are in the queue."""
+        waiting_for_prefix: list[Request] = []
         while self.waiting and self._in_flight() < self.max_running:
             request = self.waiting[0]
+            if self._prefix_in_progress(request):
+                waiting_for_prefix.append(self.waiting.popleft())
+                continue
             needed = self._blocks_needed(len(request.tokens) + 1)
             too_big = [
                 (n, blocks, group) for n, blocks, group in zip(needed, self.pool.groups, self.pool.layer_groups)
@@ -236,7 +242,7 @@ class Scheduler:
                 continue
             if not self._admissible(request, needed):
                 if not (request.followers and self._in_flight() == 0):
-                    return
+                    break
                 self._split(request)  # its choices do not fit the pool at once: they run one by one
                 continue
             self.waiting.popleft()
@@ -247,6 +253,20 @@ class Scheduler:
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if reuse else 0
             self._tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
+        self.waiting.extendleft(reversed(waiting_for_prefix))
+
+    def _prefix_in_progress(self, request: Request) -> bool:
+        """Whether a prefilling request is computing full blocks that `request`'s prompt starts with and the
+        pool has not cached yet: `request` would compute them a second time, when it could take them from the
+        prefix cache a few steps later."""
+        if len(request.tokens) <= 1 or request.needs_prompt_logprobs:
+            return False  # it would not take cached blocks anyway
+        size = self.pool.block_size
+        usable = (len(request.tokens) - 1) // size  # a prefix hit leaves at least one token to compute
+        return any(
+            _common_full_blocks(request.tokens, prefill.request.tokens, usable, size) > prefill.done // size
+            for prefill in self.prefilling
+        )
 
     def _admissible(self, request: Request, needed: list[int]) -> bool:
         """Whether `request` may start now, beside the requests in flight, in every layer group.
@@ -382,3 +402,11 @@ class Scheduler:
                 self._finish(member, error)
         self.waiting.clear()
         self.fail_in_flight(error)
+
+
+def _common_full_blocks(a: list[int], b: list[int], limit: int, size: int) -> int:
+    """How many of the first `limit` blocks of `size` tokens `a` and `b` have in common, whole and in order."""
+    for i in range(min(limit, len(b) // size)):
+        if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
+            return i
+    return min(limit, len(b) // size)
