@@ -234,6 +234,22 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
     return jobs
 
 
+def prefix_hit_ceiling(jobs: Sequence[Job], block_size: int = BLOCK_SIZE) -> float:
+    """The best prefix hit rate `jobs` allow, sent in order to one pool that forgets nothing: for each prompt, the
+    leading full blocks (all but its last token) some earlier prompt began with, over all prompt tokens."""
+    seen: set[int] = set()
+    hits = 0
+    for job in jobs:
+        chain, usable = 0, (len(job.prompt_ids) - 1) // block_size
+        keys = []
+        for i in range(len(job.prompt_ids) // block_size):
+            chain = hash((chain, tuple(job.prompt_ids[i * block_size : (i + 1) * block_size])))
+            keys.append(chain)
+        hits += block_size * next((i for i, key in enumerate(keys[:usable]) if key not in seen), min(usable, len(keys)))
+        seen.update(keys)
+    return hits / sum(len(job.prompt_ids) for job in jobs)
+
+
 def default_budget(jobs: Sequence[Job], concurrency: int, bytes_per_token: int, page_size: int) -> int:
     """Bytes that hold `concurrency` of the longest requests in whole blocks of every engine (+ a null block)."""
     longest = longest_request(jobs)
@@ -599,6 +615,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "output_tokens": sum(j.max_tokens for j in jobs),
         "prompt_lens": [len(j.prompt_ids) for j in jobs], "max_tokens": [j.max_tokens for j in jobs],
         "budget_bytes": budget, "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
+        "prefix_hit_ceiling": prefix_hit_ceiling(jobs),
         "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
         "commands": {c: settings.command_line(c) for c in contenders if c != "batcher"},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
@@ -636,7 +653,8 @@ def print_report(results: dict[str, Any]) -> None:
     } for name, r in results["contenders"].items()]
     print(f"{n} requests ({results['prompt_tokens']} prompt, {results['output_tokens']} output tokens), "
           f"{results['concurrency']} clients, KV budget {mib(results['budget_bytes']):.1f} MiB, "
-          f"{results['threads']} threads")
+          f"{results['threads']} threads; prefix hits at most {results['prefix_hit_ceiling']:.1%} "
+          "(each shared block computed once)")
     print(format_table(rows, list(rows[0])))
     for pair, count in results["identical_texts"].items():
         ratio = results["speed_ratios"][pair]

@@ -125,6 +125,14 @@ def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
     assert script.request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
 
 
+def test_prefix_hit_ceiling_counts_each_shared_block_once() -> None:
+    script = load_script("bench_http")
+    a, b = list(range(40)), list(range(33)) + [99] * 7  # share 2 blocks of 16, then differ
+    jobs = [script.Job("", ids, 1) for ids in (a, b, a, list(range(16)))]
+    # b finds 2 blocks of a; a again finds 2 (its last token is computed); the 16-token prompt finds none
+    assert script.prefix_hit_ceiling(jobs) == (32 + 32 + 0) / (40 + 40 + 40 + 16)
+
+
 def test_plot_bench_draws_http(http_result: dict[str, Any], results_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     written = load_script("plot_bench").main(["--results-dir", str(results_dir), "--out-dir", str(tmp_path)])
