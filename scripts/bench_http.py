@@ -96,7 +96,9 @@ ShareGPT-shaped prompt. Contenders:
 Every replica gets the whole KV budget. Besides tokens/s and the latencies, each round reports the **prefix hit
 rate**: prompt tokens the replicas took from their prefix caches during the timed requests (``/metrics``
 ``prefix_cache_hit_tokens_total`` summed over replicas, read before and after) / prompt tokens sent. The
-warm-up uses prefixes of another seed, so every timed hit is earned by the timed requests. Command::
+warm-up uses prefixes of another seed, so every timed hit is earned by the timed requests. The report's
+**ceiling** is the rate of one pool that computes each shared block once and forgets nothing (the requests
+in order, each finding the full blocks an earlier prompt began with). Command::
 
     python scripts/bench_http.py --ray --replicas 2 --threads 2 --repeats 3 --out results/bench_http_ray.json
 """
