@@ -145,6 +145,7 @@ from hf_paged_cache.bench import (
 )
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
+from hf_paged_cache.pool.block_pool import hash_block
 
 CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm", "ray-prefix", "ray-pow2", "ray-single")
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
@@ -239,15 +240,15 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
 def prefix_hit_ceiling(jobs: Sequence[Job], block_size: int = BLOCK_SIZE) -> float:
     """The best prefix hit rate `jobs` allow, sent in order to one pool that forgets nothing: for each prompt, the
     leading full blocks (all but its last token) some earlier prompt began with, over all prompt tokens."""
-    seen: set[int] = set()
+    seen: set[bytes] = set()  # the chained keys (as a pool's prefix index) of every full block sent so far
     hits = 0
     for job in jobs:
-        chain, usable = 0, (len(job.prompt_ids) - 1) // block_size
-        keys = []
-        for i in range(len(job.prompt_ids) // block_size):
-            chain = hash((chain, tuple(job.prompt_ids[i * block_size : (i + 1) * block_size])))
-            keys.append(chain)
-        hits += block_size * next((i for i, key in enumerate(keys[:usable]) if key not in seen), min(usable, len(keys)))
+        ids, parent, keys = job.prompt_ids, b"", []
+        for start in range(0, len(ids) // block_size * block_size, block_size):
+            parent = hash_block(parent, ids[start : start + block_size])
+            keys.append(parent)
+        usable = keys[: (len(ids) - 1) // block_size]
+        hits += block_size * next((i for i, key in enumerate(usable) if key not in seen), len(usable))
         seen.update(keys)
     return hits / sum(len(job.prompt_ids) for job in jobs)
 
