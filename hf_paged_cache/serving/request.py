@@ -226,6 +226,12 @@ class Request:
         return self.prompt_logprobs_k is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     @property
+    def takes_cached_prefix(self) -> bool:
+        """Whether it starts from the longest prefix the pool has cached: not when its prompt's log-probabilities
+        are asked for (cached blocks hold keys and values, not logits), nor with a single token to compute."""
+        return len(self.prompt) + len(self.generated) > 1 and not self.needs_prompt_logprobs
+
+    @property
     def finish_reason(self) -> str:
         """Why it stopped: ``"length"`` at its longest (unless its last token is an EOS), else ``"stop"``."""
         eos_ids = set(flat_token_ids(self.config.eos_token_id))

@@ -248,9 +248,7 @@ class Scheduler:
             self.waiting.popleft()
             self._left_queue(request)
             cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
-            # a prompt whose log-probabilities are asked for is computed whole: cached blocks give no logits
-            reuse = len(request.tokens) > 1 and not request.needs_prompt_logprobs
-            done = cache.reuse_prefix(torch.tensor([request.tokens])) if reuse else 0
+            done = cache.reuse_prefix(torch.tensor([request.tokens])) if request.takes_cached_prefix else 0
             self._tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
         self.waiting.extendleft(reversed(waiting_for_prefix))
@@ -259,12 +257,12 @@ class Scheduler:
         """Whether a prefilling request is computing full blocks that `request`'s prompt starts with and the
         pool has not cached yet: `request` would compute them a second time, when it could take them from the
         prefix cache a few steps later."""
-        if len(request.tokens) <= 1 or request.needs_prompt_logprobs:
-            return False  # it would not take cached blocks anyway
-        size = self.pool.block_size
-        usable = (len(request.tokens) - 1) // size  # a prefix hit leaves at least one token to compute
+        if not request.takes_cached_prefix:
+            return False
+        tokens, size = request.tokens, self.pool.block_size
+        usable = (len(tokens) - 1) // size  # a prefix hit leaves at least one token to compute
         return any(
-            _common_full_blocks(request.tokens, prefill.request.tokens, usable, size) > prefill.done // size
+            _common_full_blocks(tokens, prefill.request.tokens, usable, size) > prefill.done // size
             for prefill in self.prefilling
         )
 
