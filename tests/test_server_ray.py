@@ -193,7 +193,7 @@ def _settled_hit_tokens(server: Server, quiet_s: float = 2.0, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
-        reporting = len(set(REPLICA.findall(_metrics(server))))
+        reporting = len(_replicas(server))
         total = _hit_tokens(server)
         if reporting < 2 or total != last:
             last, since = total, time.monotonic()
