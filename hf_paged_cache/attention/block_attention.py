@@ -11,7 +11,10 @@ A decode step (one new token per row, all real) is the exception: there a per-ro
 saves (two gathers and one SDPA call per row and layer), so every row's keys are gathered in one padded
 ``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
 whole batch. When every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a
-fresh batch), each row attends instead from a strided view of the pool, with no copy at all.
+fresh batch), each row attends instead from a strided view of the pool, with no copy at all. When the rows
+share their first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks),
+the shared keys are attended once for all rows from a view and only each row's own tail is gathered; the two
+partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention).
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
@@ -54,6 +57,22 @@ class QueryRows:
 
 
 @dataclass
+class SharedPrefix:
+    """Keys every row of a decode step shares, in consecutive slots: attended once for all rows (cascade).
+
+    The rows' first `count` key positions read the same slots ``first .. first + count - 1`` (beams, or
+    samples of one prompt, reading their prompt's blocks): one SDPA call over a view of them serves every
+    row's queries, a second over each row's own tail (`tail_rows`, gathered), and the two partial softmaxes
+    are merged by their log-sum-exp. The tail always holds the row's new token, so it is never empty.
+    """
+
+    first: int
+    count: int
+    tail_rows: torch.Tensor  # [B * H * kv'] storage rows of the positions after the prefix, head-major per row
+    tail_mask: torch.Tensor  # [B, 1, 1, kv'] `PaddedKeys.mask` for those positions
+
+
+@dataclass
 class PaddedKeys:
     """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
 
@@ -63,6 +82,9 @@ class PaddedKeys:
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
     # row attends from a view of the pool, with no copy (up to cache.step.ZERO_COPY_MAX_ROWS rows)
     runs: list[tuple[int, int]] | None = None
+    # the keys all rows share, when enough of them sit in consecutive slots (`rows` and `mask` stay whole, for
+    # attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
+    shared: SharedPrefix | None = None
 
 
 @dataclass
@@ -211,10 +233,60 @@ def _attend_decode(
                 for b, run in enumerate(padded.runs)
             ])  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
+        if padded.shared is not None and softcap is None and sinks is None and dropout == 0.0:
+            out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
+            return out.reshape(batch_size, 1, query_heads, -1)
         keys = inputs.keys.gather(padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
         values = inputs.values.gather(padded.rows).view(batch_size, heads, keys.shape[2], -1)
     out = attend(grouped, keys, values, padded.mask)  # [B, H, g, Dv]
     return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
+
+
+def _attend_cascade(grouped: torch.Tensor, inputs: PagedAttentionInputs, shared: SharedPrefix, scale: float) -> torch.Tensor:
+    """``[B, H, g, Dv]``: a decode step's attention, the shared prefix read once for all rows (a view, no
+    copy) and each row's own tail gathered, merged by log-sum-exp. Call with the storage lock held."""
+    batch_size, heads, groups, key_dim = grouped.shape
+    key_store, value_store = inputs.keys.plain, inputs.values.plain  # [slots, H, D], [slots, H, Dv]
+    run = (shared.first, shared.count)
+    # [1, H, B * g, D]: every row's queries read the same prefix keys, as one batch of query rows
+    stacked = grouped.transpose(0, 1).reshape(1, heads, batch_size * groups, key_dim)
+    prefix_out, prefix_lse = _attention_with_lse(
+        stacked, _run_view(key_store, run), _run_view(value_store, run), None, scale
+    )  # [1, H, B * g, Dv], [1, H, B * g]
+    prefix_out = prefix_out.view(heads, batch_size, groups, -1).transpose(0, 1)  # [B, H, g, Dv]
+    prefix_lse = prefix_lse.view(heads, batch_size, groups).transpose(0, 1)  # [B, H, g]
+    keys = inputs.keys.gather(shared.tail_rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv', D]
+    values = inputs.values.gather(shared.tail_rows).view(batch_size, heads, keys.shape[2], -1)
+    tail_out, tail_lse = _attention_with_lse(grouped, keys, values, shared.tail_mask, scale)  # [B, H, g, Dv], [B, H, g]
+    return merge_attention(prefix_out, prefix_lse, tail_out, tail_lse)
+
+
+def _attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU kernel with its log-sum-exp: ``[..., q, Dv]`` and float32 ``[..., q]`` (natural log of the
+    sum of exp(scale * q . k) over the keys the query sees). `mask` is boolean (True = attend); every query
+    must see at least one key."""
+    additive = None
+    if mask is not None:  # the kernel takes an additive mask: 0 where seen, -inf where not
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=additive, scale=scale
+    )
+    return out, lse
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention over two disjoint sets of keys, from each set's output ``[..., q, Dv]`` and
+    log-sum-exp ``[..., q]``: the outputs weighted by each set's share of the whole softmax's mass."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [..., q] the whole softmax's
+    weight_a = (lse_a - lse).exp_().unsqueeze(-1)  # [..., q, 1]
+    weight_b = (lse_b - lse).exp_().unsqueeze(-1)
+    if out_a.dtype == torch.float32:
+        return out_a * weight_a + out_b * weight_b
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
 
 
 def _run_view(storage: torch.Tensor, run: tuple[int, int]) -> torch.Tensor:

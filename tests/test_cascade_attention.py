@@ -1,0 +1,111 @@
+"""Decode steps whose rows share their first keys (beams, samples of one prompt) attend them once for all rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import hf_paged_cache.attention.block_attention as block_attention
+from hf_paged_cache import PagedCache
+from hf_paged_cache.attention.block_attention import merge_attention
+from hf_paged_cache.cache.step import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS, StepIndex
+from tiny_models import VOCAB, tiny_model
+
+PROMPT = CASCADE_MIN_SHARED + 36  # long enough for the beams to share CASCADE_MIN_SHARED keys and more
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merging_two_halves_gives_attention_over_both(dtype):
+    torch.manual_seed(0)
+    query, keys, values = (torch.randn(2, 3, 4, 16, dtype=dtype) for _ in range(3))
+    keys, values = torch.randn(2, 3, 40, 16, dtype=dtype), torch.randn(2, 3, 40, 16, dtype=dtype)
+    seen = torch.rand(2, 1, 1, 15) > 0.3
+    seen[..., 0] = True  # every query sees a key of the second part
+    whole_mask = torch.cat([torch.ones(2, 1, 1, 25, dtype=torch.bool), seen], dim=-1)
+    whole = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(), attn_mask=whole_mask)
+    first = block_attention._attention_with_lse(query, keys[:, :, :25], values[:, :, :25], None, 16**-0.5)
+    second = block_attention._attention_with_lse(query, keys[:, :, 25:], values[:, :, 25:], seen, 16**-0.5)
+    merged = merge_attention(*first, *second)
+    assert merged.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(merged.float(), whole, rtol=0, atol=tolerance)
+
+
+def _decode_index(read_slots: torch.Tensor, is_real: torch.Tensor) -> StepIndex:
+    length = read_slots.shape[1]
+    return StepIndex(torch.zeros(0, dtype=torch.long), None, read_slots, is_real, past_length=length - 1)
+
+
+def test_a_decode_step_finds_the_keys_its_rows_share():
+    shared = torch.arange(100, 100 + 80).expand(3, 80)  # 80 positions in consecutive slots, all rows alike
+    own = torch.tensor([[500, 501], [600, 601], [700, 701]])  # then each row's own
+    slots = torch.cat([shared, own], dim=1)  # [3, 82]
+    padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, num_heads=2, window=None)
+    assert padded.runs is None and padded.shared is not None
+    assert (padded.shared.first, padded.shared.count) == (100, 80)
+    assert padded.shared.tail_rows.tolist() == (own.unsqueeze(1) * 2 + torch.arange(2).view(1, 2, 1)).reshape(-1).tolist()
+    assert padded.shared.tail_mask.shape == (3, 1, 1, 2)
+
+
+def test_the_shared_keys_stop_at_a_gap_in_the_slots_and_never_take_the_new_token():
+    slots = torch.arange(100, 100 + 90).expand(2, 90).clone()
+    slots[:, 70:] += 1000  # rows alike, but the run of consecutive slots breaks at position 70
+    padded = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_keys(0, 2, None)
+    assert padded.shared.count == 70
+    # rows alike to the end, too many to attend each from a view: the new token stays a tail
+    rows = ZERO_COPY_MAX_ROWS + 1
+    identical = torch.arange(100, 100 + 90).expand(rows, 90)
+    padded = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_keys(0, 2, None)
+    assert padded.runs is None and padded.shared.count == 89
+
+
+def test_no_cascade_for_rows_that_share_too_little_padding_or_a_window():
+    slots = torch.arange(100, 100 + 80).expand(2, 80).clone()
+    slots[1, CASCADE_MIN_SHARED - 1 :] += 1000  # too little shared
+    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, 2, None).shared is None
+    padding = torch.ones(2, 80, dtype=torch.bool)
+    padding[1, :4] = False  # left padding: the rows' first keys differ
+    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_keys(0, 2, None).shared is None
+    alike = torch.arange(100, 180).expand(2, 80)
+    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, 2, window=40).shared is None
+
+
+@pytest.fixture
+def cascades(monkeypatch):
+    """Counts decode attentions that took the cascade."""
+    calls = []
+    original = block_attention._attend_cascade
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(block_attention, "_attend_cascade", counted)
+    return calls
+
+
+MODES = {
+    "beam_search": dict(num_beams=4, num_return_sequences=2, do_sample=False),
+    "samples": dict(do_sample=True, num_return_sequences=3, temperature=0.8),
+}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_generate_with_shared_prompts_matches_dynamic_cache(model_type, mode, cascades):
+    model = tiny_model(model_type, attn_implementation="paged_sdpa")
+    prompt = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for cache in (DynamicCache(config=model.config), PagedCache(model, num_blocks=128)):
+        torch.manual_seed(0)
+        outputs.append(
+            model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, cache=cache,
+                output_scores=True, return_dict_in_generate=True, **MODES[mode],
+            )
+        )
+    reference, paged = outputs
+    assert cascades, "no decode step attended a shared prefix once"
+    torch.testing.assert_close(paged.sequences, reference.sequences, rtol=0, atol=0)
+    for ours, theirs in zip(paged.scores, reference.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
