@@ -19,8 +19,9 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
   --dtype DTYPE --host 127.0.0.1 --port P --cb-num-blocks N`` (``N = BUDGET // (page size x bytes per
   token)``, page size ``--cb-page-size`` or transformers' 256);
 - ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=BUDGET``) in this process, the same clients as
-  threads reading the handles' tokens, its model's linear layers packed as the server's
-  (`hf_paged_cache.kernels.pack_linears`): no HTTP, no server process, so ``ours / batcher`` is what HTTP costs;
+  threads reading the handles' tokens, its model's linear layers packed and the heap padded as the server's
+  (`hf_paged_cache.kernels.pack_linears`, `hf_paged_cache.serving.heap.pad_heap`): no HTTP, no server process,
+  so ``ours / batcher`` is what HTTP costs;
 - ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
   as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
@@ -146,6 +147,7 @@ from hf_paged_cache.bench import (
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import hash_block
+from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm", "ray-prefix", "ray-pow2", "ray-single")
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
@@ -586,6 +588,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=args.dtype)
     pack_linears(model)  # as our server does by default (only the batcher contender runs this model)
+    if "batcher" in contenders:
+        pad_heap()  # as our server does at start-up, so that `ours / batcher` is what HTTP costs
     bytes_per_token = kv_bytes_per_token(model.config, model.dtype)
     jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
     warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
