@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pad-heap", action=argparse.BooleanOptionalAction, default=True,
         help="keep up to 64 MiB of freed memory per malloc arena (glibc's mallopt; hf_paged_cache.serving.heap) "
              "instead of faulting it in again at every decode step: faster steps, more resident memory "
-             "(default: on; --no-pad-heap for glibc's own settings)",
+             "(default: on; --no-pad-heap for glibc's own settings; Ray replicas keep glibc's own)",
     )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=_positive, help="KV blocks in every layer group (default: elastic pool)")
@@ -158,18 +158,12 @@ def load_engine(options: argparse.Namespace, chat_template: str | None, metrics:
 
 
 def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
-    """Pad the heap (unless `options` say not to), load the model and tokenizer of `options` (this command's),
-    build the batcher on them and log its pool."""
+    """Load the model and tokenizer of `options` (this command's), build the batcher on them and log its pool."""
     import torch
 
     from .kernels import pack_linears
     from .serving.batcher import ContinuousBatcher
 
-    if options.pad_heap:
-        from .serving.heap import DEFAULT_HEAP_PAD, pad_heap
-
-        padded = pad_heap(DEFAULT_HEAP_PAD)
-        logger.info("malloc: %s", "heap padded (64 MiB kept per arena)" if padded else "not glibc, left as is")
     logger.info("loading %s (%s on %s)", options.model, options.dtype, options.device)
     model, tokenizer = _load_model(options)
     if options.packed_linears and torch.device(options.device).type == "cpu":
@@ -233,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as error:
             parser.error(f"{error.name} is missing: pip install 'hf_paged_cache[ray]'")
         return run_on_ray(options, chat_template)
+    if options.pad_heap:
+        from .serving.heap import DEFAULT_HEAP_PAD, pad_heap
+
+        padded = pad_heap(DEFAULT_HEAP_PAD)
+        logger.info("malloc: %s", "heap padded (64 MiB kept per arena)" if padded else "not glibc, left as is")
     settings = server_settings(options)
     failed: list[BaseException] = []
 

@@ -17,7 +17,7 @@ PROMPT = CASCADE_MIN_SHARED + 36  # long enough for the beams to share CASCADE_M
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merging_two_halves_gives_attention_over_both(dtype):
     torch.manual_seed(0)
-    query, keys, values = (torch.randn(2, 3, 4, 16, dtype=dtype) for _ in range(3))
+    query = torch.randn(2, 3, 4, 16, dtype=dtype)  # [B, H, q, D]
     keys, values = torch.randn(2, 3, 40, 16, dtype=dtype), torch.randn(2, 3, 40, 16, dtype=dtype)
     seen = torch.rand(2, 1, 1, 15) > 0.3
     seen[..., 0] = True  # every query sees a key of the second part
@@ -43,7 +43,8 @@ def test_a_decode_step_finds_the_keys_its_rows_share():
     padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, num_heads=2, window=None)
     assert padded.runs is None and padded.shared is not None
     assert (padded.shared.first, padded.shared.count) == (100, 80)
-    assert padded.shared.tail_rows.tolist() == (own.unsqueeze(1) * 2 + torch.arange(2).view(1, 2, 1)).reshape(-1).tolist()
+    own_rows = own.unsqueeze(1) * 2 + torch.arange(2).view(1, 2, 1)  # [3, H, 2]: slot * H + head
+    assert padded.shared.tail_rows.tolist() == own_rows.reshape(-1).tolist()
     assert padded.shared.tail_mask.shape == (3, 1, 1, 2)
 
 

@@ -38,7 +38,8 @@ KEPT_AFTER_FREE = textwrap.dedent("""
 
 
 def _kept_after_free(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode, heap.__file__], capture_output=True, text=True, check=True)
+    command = [sys.executable, "-c", KEPT_AFTER_FREE, mode, heap.__file__]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     return int(done.stdout)
 
 

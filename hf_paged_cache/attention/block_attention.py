@@ -242,7 +242,9 @@ def _attend_decode(
     return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
 
 
-def _attend_cascade(grouped: torch.Tensor, inputs: PagedAttentionInputs, shared: SharedPrefix, scale: float) -> torch.Tensor:
+def _attend_cascade(
+    grouped: torch.Tensor, inputs: PagedAttentionInputs, shared: SharedPrefix, scale: float
+) -> torch.Tensor:
     """``[B, H, g, Dv]``: a decode step's attention, the shared prefix read once for all rows (a view, no
     copy) and each row's own tail gathered, merged by log-sum-exp. Call with the storage lock held."""
     batch_size, heads, groups, key_dim = grouped.shape
@@ -257,7 +259,8 @@ def _attend_cascade(grouped: torch.Tensor, inputs: PagedAttentionInputs, shared:
     prefix_lse = prefix_lse.view(heads, batch_size, groups).transpose(0, 1)  # [B, H, g]
     keys = inputs.keys.gather(shared.tail_rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv', D]
     values = inputs.values.gather(shared.tail_rows).view(batch_size, heads, keys.shape[2], -1)
-    tail_out, tail_lse = _attention_with_lse(grouped, keys, values, shared.tail_mask, scale)  # [B, H, g, Dv], [B, H, g]
+    # [B, H, g, Dv], [B, H, g]
+    tail_out, tail_lse = _attention_with_lse(grouped, keys, values, shared.tail_mask, scale)
     return merge_attention(prefix_out, prefix_lse, tail_out, tail_lse)
 
 
@@ -269,7 +272,8 @@ def _attention_with_lse(
     must see at least one key."""
     additive = None
     if mask is not None:  # the kernel takes an additive mask: 0 where seen, -inf where not
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        additive.masked_fill_(~mask, float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, False, attn_mask=additive, scale=scale
     )

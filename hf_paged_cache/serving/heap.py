@@ -11,7 +11,8 @@ PyTorch's CPU tuning guide answers this by preloading jemalloc or tcmalloc; a ru
 but it can ask glibc to keep what it frees (``mallopt``). This costs resident memory: up to `pad_bytes` x 2
 of freed memory may stay with each malloc arena (the main one and one per thread that allocated), a small
 share of a serving process's weights and KV pool. It changes settings of the whole process, so only the
-process's owner calls it (the serve command, once, at start-up); the library itself never does.
+process's owner calls it (the single-process serve command, once, at start-up); the library itself never
+does, nor do the Ray Serve replicas yet.
 """
 
 from __future__ import annotations
