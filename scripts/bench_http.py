@@ -146,7 +146,7 @@ from hf_paged_cache.bench import (
 )
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
-from hf_paged_cache.pool.block_pool import hash_block
+from hf_paged_cache.pool.block_pool import block_keys
 from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm", "ray-prefix", "ray-pow2", "ray-single")
@@ -245,10 +245,8 @@ def prefix_hit_ceiling(jobs: Sequence[Job], block_size: int = BLOCK_SIZE) -> flo
     seen: set[bytes] = set()  # the chained keys (as a pool's prefix index) of every full block sent so far
     hits = 0
     for job in jobs:
-        ids, parent, keys = job.prompt_ids, b"", []
-        for start in range(0, len(ids) // block_size * block_size, block_size):
-            parent = hash_block(parent, ids[start : start + block_size])
-            keys.append(parent)
+        ids = job.prompt_ids
+        keys = list(block_keys(ids, block_size))
         usable = keys[: (len(ids) - 1) // block_size]
         hits += block_size * next((i for i, key in enumerate(usable) if key not in seen), len(usable))
         seen.update(keys)

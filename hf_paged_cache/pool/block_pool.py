@@ -12,7 +12,7 @@ import threading
 import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -28,6 +28,14 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
     still confirmed by comparing tokens).
     """
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def block_keys(tokens: Sequence[int], block_size: int, root: bytes = b"") -> Iterator[bytes]:
+    """The chained keys (`hash_block`, from `root`) of every full block of `tokens`, in order."""
+    parent = root
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        parent = hash_block(parent, tokens[start : start + block_size])
+        yield parent
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ...cache.inputs import prefix_root
-from ...pool.block_pool import hash_block
+from ...pool.block_pool import block_keys
 from ..batcher import ContinuousBatcher
 
 KEY_BYTES = 8  # of each 16-byte block key
@@ -55,8 +55,5 @@ class PrefixSummary:
 
 
 def prompt_block_keys(prompt: Sequence[int], block_size: int, root: bytes) -> Iterator[bytes]:
-    """The chained keys (`hash_block`, from `root`) of the prompt's full blocks before its last token, in order."""
-    parent = root
-    for start in range(0, (len(prompt) - 1) // block_size * block_size, block_size):
-        parent = hash_block(parent, prompt[start : start + block_size])
-        yield parent
+    """The chained keys (`block_keys`, from `root`) of the prompt's full blocks before its last token, in order."""
+    return block_keys(prompt[:-1], block_size, root)
