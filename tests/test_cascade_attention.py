@@ -24,7 +24,8 @@ def test_merging_two_halves_gives_attention_over_both(dtype):
     whole_mask = torch.cat([torch.ones(2, 1, 1, 25, dtype=torch.bool), seen], dim=-1)
     whole = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(), attn_mask=whole_mask)
     first = block_attention._attention_with_lse(query, keys[:, :, :25], values[:, :, :25], None, 16**-0.5)
-    second = block_attention._attention_with_lse(query, keys[:, :, 25:], values[:, :, 25:], seen, 16**-0.5)
+    additive = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))  # as a step builds its tail mask
+    second = block_attention._attention_with_lse(query, keys[:, :, 25:], values[:, :, 25:], additive, 16**-0.5)
     merged = merge_attention(*first, *second)
     assert merged.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2

@@ -69,7 +69,9 @@ class SharedPrefix:
     first: int
     count: int
     tail_rows: torch.Tensor  # [B * H * kv'] storage rows of the positions after the prefix, head-major per row
-    tail_mask: torch.Tensor  # [B, 1, 1, kv'] `PaddedKeys.mask` for those positions
+    # [B, 1, 1, kv'] float32 `PaddedKeys.mask` for those positions, additive (0 where seen, -inf where not): the
+    # SDPA kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
+    tail_mask: torch.Tensor
 
 
 @dataclass
@@ -268,16 +270,12 @@ def _attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's CPU kernel with its log-sum-exp: ``[..., q, Dv]`` and float32 ``[..., q]`` (natural log of the
-    sum of exp(scale * q . k) over the keys the query sees). `mask` is boolean (True = attend); every query
-    must see at least one key."""
-    additive = None
-    if mask is not None:  # the kernel takes an additive mask: 0 where seen, -inf where not
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-        additive.masked_fill_(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, False, attn_mask=additive, scale=scale
+    sum of exp(scale * q . k) over the keys the query sees). `mask` is additive (0 where a query sees a key,
+    -inf where not; cast to the query's dtype, as the kernel wants); every query must see at least one key."""
+    attn_mask = None if mask is None else mask.to(query.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=attn_mask, scale=scale
     )
-    return out, lse
 
 
 def merge_attention(

@@ -157,7 +157,9 @@ class StepIndex:
         if count < CASCADE_MIN_SHARED:
             return None
         tail_rows = self.read_rows(offset + count, num_heads).reshape(-1)  # [B * H * (kv - count)]
-        return SharedPrefix(int(first), count, tail_rows, mask[:, None, None, count:])
+        seen = mask[:, None, None, count:]  # [B, 1, 1, kv - count]
+        tail_mask = torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
+        return SharedPrefix(int(first), count, tail_rows, tail_mask)
 
     def queries(self) -> QueryRows:
         """The step's new tokens per row: positions, the indices of the real ones, their first and last."""
