@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .models import load_model_and_tokenizer
 from .pool.kv_format import KV_DTYPES
-from .pool.memory import parse_memory
+from .pool.memory import format_memory, parse_memory
 
 if TYPE_CHECKING:  # the serve extra may be missing: main() imports these only when it runs
     from .serving.batcher import ContinuousBatcher
@@ -230,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.pad_heap:
         from .serving.heap import DEFAULT_HEAP_PAD, pad_heap
 
-        padded = pad_heap(DEFAULT_HEAP_PAD)
-        logger.info("malloc: %s", "heap padded (64 MiB kept per arena)" if padded else "not glibc, left as is")
+        kept = format_memory(DEFAULT_HEAP_PAD, ".4g")
+        logger.info("malloc: %s", f"heap padded ({kept} kept per arena)" if pad_heap() else "not glibc, left as is")
     settings = server_settings(options)
     failed: list[BaseException] = []
 
