@@ -168,10 +168,10 @@ class NaNBlocks:
     def fill(self, group, blocks):
         slots = torch.tensor([b * BLOCK + i for b in blocks for i in range(BLOCK)])
         for storage in self.storages(group):
-            storage.index_fill_(0, slots, float("nan"))
+            storage.index_fill_(1, slots, float("nan"))  # [H, slots, D]
 
     def written(self, group, block) -> bool:
-        return all(not storage[block * BLOCK : (block + 1) * BLOCK].isnan().any() for storage in self.storages(group))
+        return all(not storage[:, block * BLOCK : (block + 1) * BLOCK].isnan().any() for storage in self.storages(group))
 
 
 def check_step(batcher, nan_blocks: NaNBlocks) -> None:

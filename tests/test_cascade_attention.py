@@ -41,35 +41,34 @@ def test_a_decode_step_finds_the_keys_its_rows_share():
     shared = torch.arange(100, 100 + 80).expand(3, 80)  # 80 positions in consecutive slots, all rows alike
     own = torch.tensor([[500, 501], [600, 601], [700, 701]])  # then each row's own
     slots = torch.cat([shared, own], dim=1)  # [3, 82]
-    padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, num_heads=2, window=None)
+    padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, window=None)
     assert padded.runs is None and padded.shared is not None
     assert (padded.shared.first, padded.shared.count) == (100, 80)
-    own_rows = own.unsqueeze(1) * 2 + torch.arange(2).view(1, 2, 1)  # [3, H, 2]: slot * H + head
-    assert padded.shared.tail_rows.tolist() == own_rows.reshape(-1).tolist()
+    assert padded.shared.tail_slots.tolist() == own.reshape(-1).tolist()
     assert padded.shared.tail_mask.shape == (3, 1, 1, 2)
 
 
 def test_the_shared_keys_stop_at_a_gap_in_the_slots_and_never_take_the_new_token():
     slots = torch.arange(100, 100 + 90).expand(2, 90).clone()
     slots[:, 70:] += 1000  # rows alike, but the run of consecutive slots breaks at position 70
-    padded = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_keys(0, 2, None)
+    padded = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_keys(0, None)
     assert padded.shared.count == 70
     # rows alike to the end, too many to attend each from a view: the new token stays a tail
     rows = ZERO_COPY_MAX_ROWS + 1
     identical = torch.arange(100, 100 + 90).expand(rows, 90)
-    padded = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_keys(0, 2, None)
+    padded = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_keys(0, None)
     assert padded.runs is None and padded.shared.count == 89
 
 
 def test_no_cascade_for_rows_that_share_too_little_padding_or_a_window():
     slots = torch.arange(100, 100 + 80).expand(2, 80).clone()
     slots[1, CASCADE_MIN_SHARED - 1 :] += 1000  # too little shared
-    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, 2, None).shared is None
+    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, None).shared is None
     padding = torch.ones(2, 80, dtype=torch.bool)
     padding[1, :4] = False  # left padding: the rows' first keys differ
-    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_keys(0, 2, None).shared is None
+    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_keys(0, None).shared is None
     alike = torch.arange(100, 180).expand(2, 80)
-    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, 2, window=40).shared is None
+    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, window=40).shared is None
 
 
 @pytest.fixture

@@ -269,19 +269,19 @@ def test_growth_resizes_storage_in_place_keeping_contents(llama):
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
     keys, values = (stored.data for stored in pool.layer(0, states, states))
-    assert keys.shape[0] == 2 * 4 and not keys[:4].any()  # the null block is zero
+    assert keys.shape[1] == 2 * 4 and not keys[:, :4].any()  # the null block is zero
     [block] = pool.blocks.allocate(1)
-    keys[block * 4 : block * 4 + 4] = 1.5
-    values[block * 4 : block * 4 + 4] = -2.0
+    keys[:, block * 4 : block * 4 + 4] = 1.5
+    values[:, block * 4 : block * 4 + 4] = -2.0
     more = pool.blocks.allocate(9)  # grows to max(2 + 9, 4) = 11 blocks
     assert pool.num_blocks == 11 and pool.grow_count == 1
     same_keys, same_values = (stored.data for stored in pool.layer(0, states, states))
-    assert same_keys is keys and same_values is values  # the same tensors, resized
-    assert keys.shape[0] == 11 * 4 and values.shape[0] == 11 * 4
-    assert not keys[:4].any() and (keys[4:8] == 1.5).all() and (values[4:8] == -2.0).all()
+    assert same_keys is keys and same_values is values  # the same tensors, grown
+    assert keys.shape[1] == 11 * 4 and values.shape[1] == 11 * 4
+    assert not keys[:, :4].any() and (keys[:, 4:8] == 1.5).all() and (values[:, 4:8] == -2.0).all()
     assert pool.storage_bytes() == 2 * 11 * 4 * 2 * 16 * 4  # layer 1 has no storage yet
     new_keys = pool.layer(1, states, states)[0].data  # created at the current size
-    assert new_keys.shape[0] == 11 * 4 and max(more) < 11
+    assert new_keys.shape[1] == 11 * 4 and max(more) < 11
 
 
 def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes_nothing(llama, monkeypatch):
@@ -293,17 +293,17 @@ def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes
     held = pool.blocks.allocate(1)
     storage = pool.storage_bytes()
 
-    def out_of_memory(tensor, nbytes):
+    def out_of_memory(tensor, slots):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(kv_pool, "_resize_storage", out_of_memory)
+    monkeypatch.setattr(kv_pool, "_grow_slots", out_of_memory)
     with pytest.raises(KVMemoryError, match=r"layer 0's keys need 2,560 bytes") as info:
         pool.blocks.allocate(3)  # 3 short: grows to 2 + 3 = 5 blocks = 20 slots x 2 heads x 16 x 4 bytes
     assert info.value.requested_bytes == 5 * 4 * 2 * 16 * 4 and isinstance(info.value, MemoryError)
     assert (pool.num_blocks, pool.grow_count, pool.blocks.num_used) == (2, 0, len(held))
-    assert pool.storage_bytes() == storage and keys.shape[0] == 2 * 4
+    assert pool.storage_bytes() == storage and keys.shape[1] == 2 * 4
     monkeypatch.undo()
-    assert len(pool.blocks.allocate(3)) == 3 and keys.shape[0] == 5 * 4  # it grows once memory allows
+    assert len(pool.blocks.allocate(3)) == 3 and keys.shape[1] == 5 * 4  # it grows once memory allows
 
 
 def test_storage_that_cannot_be_created_raises_with_its_bytes(llama, monkeypatch):
@@ -339,10 +339,10 @@ def test_a_grower_waits_for_a_layer_in_use(llama):
     with pool.storage_lock.shared():  # what PagedCache.update holds while it writes and gathers
         entered.set()
         assert not grown.wait(timeout=0.2)  # the growth waits for this block to end
-        keys[block * 4 : block * 4 + 4] = 3.0
+        keys[:, block * 4 : block * 4 + 4] = 3.0
     thread.join(timeout=10)
     assert grown.is_set() and pool.num_blocks == 7
-    assert (keys[block * 4 : block * 4 + 4] == 3.0).all() and keys.shape[0] == 7 * 4
+    assert (keys[:, block * 4 : block * 4 + 4] == 3.0).all() and keys.shape[1] == 7 * 4
 
 
 def test_taking_blocks_while_holding_shared_is_refused_not_deadlocked(llama):

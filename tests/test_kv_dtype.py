@@ -304,7 +304,7 @@ def test_an_elastic_int8_pool_grows_its_scales_with_its_blocks():
                                return_dict_in_generate=True, output_scores=True)
         assert elastic.pool.grow_count > 0
         assert elastic.pool.storage_bytes() == sum(t.nbytes for t in pool_tensors(elastic.pool))
-        assert elastic.pool.key_scales[0].shape[0] == elastic.pool.num_blocks * elastic.pool.block_size
+        assert elastic.pool.key_scales[0].shape[1] == elastic.pool.num_blocks * elastic.pool.block_size
     with PagedCache(model, kv_dtype="int8", num_blocks=64) as fixed:
         assert_identical(grown, model.generate(**batch, max_new_tokens=10, do_sample=False, cache=fixed,
                                                return_dict_in_generate=True, output_scores=True))
@@ -501,16 +501,18 @@ def test_vector_bytes():
     assert kv_format(None, torch.float32).vector_bytes(64) == 256
 
 
-def test_stored_states_write_and_gather_rows():
-    """Row ``slot * H + head`` of a layer's storage reads back the decoded vector written at that slot."""
+def test_stored_states_write_and_gather_slots():
+    """Every head at a slot of a layer's head-major storage reads back the decoded vector written there."""
     int8, heads = kv_format("int8", torch.float32), 2
-    scales = torch.ones(8, heads, 1, 2, dtype=torch.float16)
-    stored = StoredStates(torch.zeros(8, heads, 32, dtype=torch.uint8), scales, int8, torch.float32)
-    states = sample_states()[:3]  # [3, H, D]
+    scales = torch.ones(heads, 8, 1, 2, dtype=torch.float16)
+    stored = StoredStates(torch.zeros(heads, 8, 32, dtype=torch.uint8), scales, int8, torch.float32)
+    states = sample_states()[:3].transpose(0, 1)  # [H, 3, D]
     stored.write(torch.tensor([6, 1, 4]), states)
     assert stored.plain is None
-    rows = torch.tensor([1 * heads + 1, 6 * heads + 0, 4 * heads + 1])
-    expected = int8.decode(*int8.encode(states), torch.float32)[[1, 0, 2], [1, 0, 1]]
-    assert torch.equal(stored.gather(rows), expected)
-    plain = StoredStates(torch.zeros(8, heads, 32), None, kv_format(None, torch.float32), torch.float32)
+    expected = int8.decode(*int8.encode(states), torch.float32)[:, [1, 0, 2]]  # [H, 3, D] at slots 1, 6, 4
+    assert torch.equal(stored.gather(torch.tensor([1, 6, 4])), expected)
+    plain = StoredStates(torch.zeros(heads, 8, 32), None, kv_format(None, torch.float32), torch.float32)
+    plain.write(torch.tensor([6, 1, 4]), states)
+    assert torch.equal(plain.gather(torch.tensor([1, 6, 4])), states[:, [1, 0, 2]])
+    assert torch.equal(plain.run(3, 4)[0], plain.data[:, 3:7]) and plain.run(3, 4).data_ptr() == plain.data[:, 3].data_ptr()
     assert plain.plain is plain.data

@@ -9,6 +9,7 @@ import hf_paged_cache.cache.layer_io as layer_io
 import hf_paged_cache.cache.step as step_module
 from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.attention import block_attention
+from hf_paged_cache.pool.kv_format import StoredStates
 
 
 def count_dense_gathers(monkeypatch):
@@ -113,7 +114,7 @@ def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(mon
     monkeypatch.setattr(step_module, "ZERO_COPY_MAX_ROWS", 3)
     model = tiny_model(model_type)
     set_paged_attention(model)
-    views = count_calls(monkeypatch, block_attention, "_run_view")
+    views = count_calls(monkeypatch, StoredStates, "run")
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     assert views  # some steps read views
@@ -135,14 +136,16 @@ def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
     set_paged_attention(model)
     inputs = torch.tensor([[5, 9, 3, 7] * 6])  # 24 tokens: the decode steps cross into a third block
     expected = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=DynamicCache(config=model.config))
-    views = count_calls(monkeypatch, block_attention, "_run_view")
+    views = count_calls(monkeypatch, StoredStates, "run")
     paged = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=PagedCache(model))
     assert torch.equal(paged, expected)
     assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer
 
 
 def count_calls(monkeypatch, module, name: str) -> list[int]:
-    """A list that grows by one at each call of ``module.name`` (which still runs), for the test's duration."""
+    """A list that grows by one at each call of ``module.name`` (which still runs), for the test's duration.
+
+    `module` may be a class: the counting function then becomes its method and gets ``self`` first, as the original."""
     calls: list[int] = []
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args: calls.append(1) or original(*args))

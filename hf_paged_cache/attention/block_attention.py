@@ -4,8 +4,9 @@ The dense path gathers a padded ``[B, heads, kv_length, dim]`` copy of every row
 and then computes attention over the padding too. Here `PagedCache.update` writes the new keys and values
 into the pool and leaves a `PagedAttentionInputs` in the attention kwargs instead (transformers passes the
 same dict to ``cache.update`` and to the attention function); `attend_from_pool` then reads, for each row,
-the keys and values of its real tokens only (one gather each, head-major so SDPA gets contiguous heads) and
-runs SDPA on them, with the grouped query heads folded into the query rows of their key/value head.
+the keys and values of its real tokens only (one gather each by slot: the pool is head-major, so SDPA gets
+contiguous heads) and runs SDPA on them, with the grouped query heads folded into the query rows of their
+key/value head.
 
 A decode step (one new token per row, all real) is the exception: there a per-row loop costs more than it
 saves (two gathers and one SDPA call per row and layer), so every row's keys are gathered in one padded
@@ -40,9 +41,9 @@ PAGED_INPUTS = "paged_attention_inputs"
 
 @dataclass
 class RowKeys:
-    """Where each row's keys for one window offset live in a layer's flat ``[slots * H, D]`` storage."""
+    """Where each row's keys for one window offset live in a layer's ``[H, slots, D]`` storage."""
 
-    rows: list[torch.Tensor]  # per row b: [H * n_b] storage rows (slot * H + head) of its real keys, head-major
+    slots: list[torch.Tensor]  # per row b: [n_b] pool slots of its real keys
     positions: list[torch.Tensor]  # per row b: [n_b] their logical positions
     spans: list[tuple[int, int]]  # per row b: its first and last key position (n_b >= 1 for a row with queries)
 
@@ -62,13 +63,13 @@ class SharedPrefix:
 
     The rows' first `count` key positions read the same slots ``first .. first + count - 1`` (beams, or
     samples of one prompt, reading their prompt's blocks): one SDPA call over a view of them serves every
-    row's queries, a second over each row's own tail (`tail_rows`, gathered), and the two partial softmaxes
+    row's queries, a second over each row's own tail (`tail_slots`, gathered), and the two partial softmaxes
     are merged by their log-sum-exp. The tail always holds the row's new token, so it is never empty.
     """
 
     first: int
     count: int
-    tail_rows: torch.Tensor  # [B * H * kv'] storage rows of the positions after the prefix, head-major per row
+    tail_slots: torch.Tensor  # [B * kv'] pool slots of the positions after the prefix, row after row
     # [B, 1, 1, kv'] float32 `PaddedKeys.mask` for those positions, additive (0 where seen, -inf where not): the
     # SDPA kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
     tail_mask: torch.Tensor
@@ -78,13 +79,13 @@ class SharedPrefix:
 class PaddedKeys:
     """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
 
-    # [B * H * kv] rows of the flat [slots * H, D] storage, head-major per row (padding: null); None with `runs`
-    rows: torch.Tensor | None
+    # [B * kv] pool slots of every row's positions, row after row (padding: null); None with `runs`
+    slots: torch.Tensor | None
     mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
     # row attends from a view of the pool, with no copy (up to cache.step.ZERO_COPY_MAX_ROWS rows)
     runs: list[tuple[int, int]] | None = None
-    # the keys all rows share, when enough of them sit in consecutive slots (`rows` and `mask` stay whole, for
+    # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `mask` stay whole, for
     # attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
     shared: SharedPrefix | None = None
 
@@ -93,8 +94,8 @@ class PaddedKeys:
 class PagedAttentionInputs:
     """What `paged_sdpa` needs to attend to one layer's keys and values in the pool."""
 
-    keys: StoredStates  # the layer's stored keys: rows (slot * H + head) of [slots * H, key_dim], read as the model's dtype
-    values: StoredStates  # [slots * H, value_dim] likewise
+    keys: StoredStates  # the layer's stored keys, [H, slots, key_dim], read as the model's dtype
+    values: StoredStates  # [H, slots, value_dim] likewise
     num_kv_heads: int
     row_keys: RowKeys
     queries: QueryRows
@@ -229,17 +230,17 @@ def _attend_decode(
 
     with inputs.lock.shared():
         if padded.runs is not None:  # views of the storage: read them before letting the lock go
-            key_store, value_store = inputs.keys.plain, inputs.values.plain  # [slots, H, D], [slots, H, Dv]
-            out = torch.cat([
-                attend(grouped[b : b + 1], _run_view(key_store, run), _run_view(value_store, run), None)
+            outs = [
+                attend(grouped[b : b + 1], inputs.keys.run(*run), inputs.values.run(*run), None)
                 for b, run in enumerate(padded.runs)
-            ])  # [B, H, g, Dv]
+            ]  # [1, H, g, Dv] each
+            out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
         if padded.shared is not None and softcap is None and sinks is None and dropout == 0.0:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
-        keys = inputs.keys.gather(padded.rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv, D]
-        values = inputs.values.gather(padded.rows).view(batch_size, heads, keys.shape[2], -1)
+        keys = by_row(inputs.keys.gather(padded.slots), batch_size)  # [B, H, kv, D]
+        values = by_row(inputs.values.gather(padded.slots), batch_size)  # [B, H, kv, Dv]
     out = attend(grouped, keys, values, padded.mask)  # [B, H, g, Dv]
     return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
 
@@ -250,17 +251,16 @@ def _attend_cascade(
     """``[B, H, g, Dv]``: a decode step's attention, the shared prefix read once for all rows (a view, no
     copy) and each row's own tail gathered, merged by log-sum-exp. Call with the storage lock held."""
     batch_size, heads, groups, key_dim = grouped.shape
-    key_store, value_store = inputs.keys.plain, inputs.values.plain  # [slots, H, D], [slots, H, Dv]
     run = (shared.first, shared.count)
     # [1, H, B * g, D]: every row's queries read the same prefix keys, as one batch of query rows
     stacked = grouped.transpose(0, 1).reshape(1, heads, batch_size * groups, key_dim)
     prefix_out, prefix_lse = _attention_with_lse(
-        stacked, _run_view(key_store, run), _run_view(value_store, run), None, scale
+        stacked, inputs.keys.run(*run), inputs.values.run(*run), None, scale
     )  # [1, H, B * g, Dv], [1, H, B * g]
     prefix_out = prefix_out.view(heads, batch_size, groups, -1).transpose(0, 1)  # [B, H, g, Dv]
     prefix_lse = prefix_lse.view(heads, batch_size, groups).transpose(0, 1)  # [B, H, g]
-    keys = inputs.keys.gather(shared.tail_rows).view(batch_size, heads, -1, key_dim)  # [B, H, kv', D]
-    values = inputs.values.gather(shared.tail_rows).view(batch_size, heads, keys.shape[2], -1)
+    keys = by_row(inputs.keys.gather(shared.tail_slots), batch_size)  # [B, H, kv', D]
+    values = by_row(inputs.values.gather(shared.tail_slots), batch_size)  # [B, H, kv', Dv]
     # [B, H, g, Dv], [B, H, g]
     tail_out, tail_lse = _attention_with_lse(grouped, keys, values, shared.tail_mask, scale)
     return merge_attention(prefix_out, prefix_lse, tail_out, tail_lse)
@@ -291,10 +291,11 @@ def merge_attention(
     return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
 
 
-def _run_view(storage: torch.Tensor, run: tuple[int, int]) -> torch.Tensor:
-    """``[1, H, n, D]``: the `n` consecutive slots from `first` of token-major ``[slots, H, D]`` storage, no copy."""
-    first, count = run
-    return storage[first : first + count].transpose(0, 1).unsqueeze(0)
+def by_row(gathered: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``[B, H, kv, D]``: keys (or values) gathered for `batch_size` rows of ``kv`` slots each, ``[H, B * kv, D]``
+    (a view: each row's heads stay contiguous, which is all SDPA needs)."""
+    heads, _, dim = gathered.shape
+    return gathered.view(heads, batch_size, -1, dim).transpose(0, 1)
 
 
 def _place(row_out: torch.Tensor, picked: torch.Tensor | None, query: torch.Tensor, query_length: int) -> torch.Tensor:
@@ -311,10 +312,11 @@ def _every_row_read(inputs: PagedAttentionInputs) -> tuple[list[torch.Tensor], l
     None for a plain pool, whose rows are gathered one by one (a copy either way)."""
     if inputs.keys.plain is not None:
         return None
-    rows = inputs.row_keys.rows
-    every = torch.cat(rows)  # [sum of H * n_b]
-    sizes = [r.shape[0] for r in rows]
-    return list(inputs.keys.gather(every).split(sizes)), list(inputs.values.gather(every).split(sizes))
+    slots = inputs.row_keys.slots
+    every = torch.cat(slots)  # [sum of n_b]
+    sizes = [s.shape[0] for s in slots]
+    # per row [H, n_b, D]
+    return list(inputs.keys.gather(every).split(sizes, dim=1)), list(inputs.values.gather(every).split(sizes, dim=1))
 
 
 def _row_keys_and_values(
@@ -323,14 +325,12 @@ def _row_keys_and_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """Row `row`'s keys ``[1, H, n, D]``, values ``[1, H, n, Dv]``, their positions ``[n]`` and first/last one
     (read from `stored`, every row's as `_every_row_read` gives them, when given)."""
-    heads, key_dim, value_dim = inputs.num_kv_heads, inputs.keys.dim, inputs.values.dim
     if stored is None:
-        rows = inputs.row_keys.rows[row]  # [H * n] head-major storage rows
-        keys, values = inputs.keys.gather(rows), inputs.values.gather(rows)  # [H * n, D], [H * n, Dv]
+        slots = inputs.row_keys.slots[row]  # [n]
+        keys, values = inputs.keys.gather(slots), inputs.values.gather(slots)  # [H, n, D], [H, n, Dv]
     else:
         keys, values = stored[0][row], stored[1][row]
-    keys = keys.view(1, heads, -1, key_dim)  # [1, H, n, D]
-    values = values.view(1, heads, -1, value_dim)  # [1, H, n, Dv]
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, H, n, D], [1, H, n, Dv]
     positions, span = inputs.row_keys.positions[row], inputs.row_keys.spans[row]
     if inputs.new_states is None:
         return keys, values, positions, span

@@ -18,7 +18,6 @@ from .step import (
     StepIndex,
     StepUndo,
     build_index,
-    head_major_rows,
     keep_from,
     plan_group,
     prefix_token_ids,
@@ -266,9 +265,9 @@ class PagedBatch:
         views, is_real = self.committed()
         table = views[self.pool.group_of[layer_idx]].as_tensor(device)  # [B, max_blocks]
         slots = slots_for_positions(table, is_real.to(device), self.pool.block_size)  # [B, L]
-        rows = head_major_rows(slots[:, offset:], keys.num_heads)  # [B, H, L - offset]
+        slots = slots[:, offset:].reshape(-1)  # [B * (L - offset)]
         with self.pool.storage_lock.shared():
-            return gather(keys, rows), gather(values, rows)
+            return gather(keys, slots, is_real.shape[0]), gather(values, slots, is_real.shape[0])
 
 
 def _left_pad(is_real: torch.Tensor, length: int) -> torch.Tensor:

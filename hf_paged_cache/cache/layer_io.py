@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs
+from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs, by_row
 from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 from .step import StepIndex
@@ -32,7 +32,7 @@ def store_layer(
     """Write a layer's new K/V into its storage and return what ``cache.update`` returns.
 
     Args:
-        keys, values: the layer's stored keys and values (``[slots, heads, dim]``, in the pool's format).
+        keys, values: the layer's stored keys and values (``[heads, slots, dim]``, in the pool's format).
         key_states, value_states: ``[B, heads, q, dim]`` the step's new keys and values.
         offset: the first position the layer attends to (its window's, before this step).
         attention_kwargs: the dict transformers hands the attention function, when attention reads from the
@@ -44,30 +44,31 @@ def store_layer(
         write_new_tokens(values, value_states, index)
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
-        heads = keys.num_heads
         if attention_kwargs is not None:
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
-                keys, values, heads, index.row_keys(offset, heads), index.queries(), window, lock,
+                keys, values, keys.num_heads, index.row_keys(offset), index.queries(), window, lock,
                 (key_states, value_states) if index.new_from_states else None,
-                index.decode_keys(offset, heads, window, views=keys.plain is not None and values.plain is not None),
+                index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None),
             )
             return key_states, value_states
-        rows = index.read_rows(offset, heads)  # [B, H, kv], keys and values alike
-        dense = gather(keys, rows), gather(values, rows)  # copies: safe once the lock is let go
+        slots = index.read_slots_from(offset)  # [B * kv], keys and values alike
+        batch_size = key_states.shape[0]
+        dense = gather(keys, slots, batch_size), gather(values, slots, batch_size)  # copies: safe once the lock is let go
     if index.new_from_states:  # a sliding window stores only the step's last tokens: new K/V as given
         return torch.cat([dense[0], key_states], dim=2), torch.cat([dense[1], value_states], dim=2)
     return dense
 
 
 def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: StepIndex) -> None:
-    """Store a layer's new keys (or values) ``[B, H, q, D]`` into its ``[slots, H, D]`` storage."""
+    """Store a layer's new keys (or values) ``[B, H, q, D]`` into its ``[H, slots, D]`` storage."""
     batch_size, heads, query_length, dim = new.shape
-    new = new.transpose(1, 2).reshape(batch_size * query_length, heads, dim)  # [B * q, H, D]
+    new = new.transpose(0, 1).reshape(heads, batch_size * query_length, dim)  # [H, B * q, D]
     if index.write_rows is not None:
-        new = new.index_select(0, index.write_rows)  # [N, H, D] real tokens only
+        new = new.index_select(1, index.write_rows)  # [H, N, D] real tokens only
     storage.write(index.write_slots, new)
 
 
-def gather(storage: StoredStates, rows: torch.Tensor) -> torch.Tensor:
-    """Dense ``[B, H, kv_length, D]`` K or V: rows `rows` ``[B, H, kv_length]`` of the flat ``[slots * H, D]``."""
-    return storage.gather(rows.reshape(-1)).view(*rows.shape, storage.dim)  # [B, H, kv, D]
+def gather(storage: StoredStates, slots: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Dense ``[B, H, kv, D]`` K or V at `slots` ``[B * kv]`` (row after row), contiguous as `DynamicCache` holds
+    them, so that any attention implementation takes them."""
+    return by_row(storage.gather(slots), batch_size).contiguous()

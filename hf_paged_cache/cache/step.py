@@ -69,52 +69,40 @@ class StepIndex:
     is_real: torch.Tensor  # [B, L + q] False where a position is padding
     past_length: int  # L: positions before this step's
     new_from_states: bool = False  # some real new tokens have no slot: attention reads new K/V from the states
-    _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # read_rows, per (offset, heads)
-    _row_keys: dict[tuple[int, int], RowKeys] = field(default_factory=dict)  # row_keys, per (offset, heads)
+    _row_keys: dict[int, RowKeys] = field(default_factory=dict)  # row_keys, per offset
     _queries: QueryRows | None = None
-    _padded: dict[tuple[int, int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
+    _padded: dict[tuple[int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
 
     @property
     def pool_end(self) -> int:
         """Positions read from the pool end here: all of them, or the past only when new K/V come from the states."""
         return self.past_length if self.new_from_states else self.is_real.shape[1]
 
-    def read_rows(self, offset: int, num_heads: int) -> torch.Tensor:
-        """``[B, H, kv]`` rows of the flat ``[slots * H, D]`` storage for positions ``offset:pool_end``.
+    def read_slots_from(self, offset: int) -> torch.Tensor:
+        """``[B * kv]`` pool slots of every row's positions ``offset:pool_end``, row after row (padding: null)."""
+        return self.read_slots[:, offset : self.pool_end].reshape(-1)
 
-        Head-major (row ``slot * H + head``), so the gather yields the contiguous per-head layout that
-        `DynamicCache` holds and SDPA reads fastest. Computed once per step for all layers alike.
-        """
-        rows = self._rows.get((offset, num_heads))
-        if rows is None:
-            slots = self.read_slots[:, offset : self.pool_end]  # [B, kv]
-            rows = self._rows[(offset, num_heads)] = head_major_rows(slots, num_heads)
-        return rows
-
-    def row_keys(self, offset: int, num_heads: int) -> RowKeys:
-        """Each row's real keys in positions ``offset:pool_end``, as storage rows and positions (no padding).
+    def row_keys(self, offset: int) -> RowKeys:
+        """Each row's real keys in positions ``offset:pool_end``, as pool slots and positions (no padding).
 
         Computed once per step for all layers alike, with one nonzero and one split for the whole batch.
         """
-        keys = self._row_keys.get((offset, num_heads))
+        keys = self._row_keys.get(offset)
         if keys is None:
             real = self.is_real[:, offset : self.pool_end]  # [B, kv]
             counts = real.sum(dim=1).tolist()  # n_b per row
             positions = real.nonzero()[:, 1] + offset  # [N] row-major, so rows come in order
             slots = self.read_slots[:, offset : self.pool_end][real]  # [N]
-            rows = head_major_rows(slots.unsqueeze(0), num_heads)[0]  # [H, N]
             flat, spans, start = positions.tolist(), [], 0
             for count in counts:
                 spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
                 start += count
-            keys = self._row_keys[(offset, num_heads)] = RowKeys(
-                rows=[r.reshape(-1) for r in rows.split(counts, dim=1)],  # per row [H * n_b], head-major
-                positions=list(positions.split(counts)),
-                spans=spans,
+            keys = self._row_keys[offset] = RowKeys(
+                slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans
             )
         return keys
 
-    def decode_keys(self, offset: int, num_heads: int, window: int | None, views: bool = True) -> PaddedKeys | None:
+    def decode_keys(self, offset: int, window: int | None, views: bool = True) -> PaddedKeys | None:
         """For a decode step (one real new token per row, every key in the pool): the padded keys, else None.
 
         Positions ``offset:pool_end`` in the cache's column layout; the mask keeps real keys inside the window
@@ -124,7 +112,7 @@ class StepIndex:
         """
         if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
             return None
-        key = (offset, num_heads, window, views)
+        key = (offset, window, views)
         if key not in self._padded:
             padded = None
             mask = self.is_real[:, offset:]  # [B, kv]
@@ -137,14 +125,14 @@ class StepIndex:
                 runs = None
                 if views and window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
                     runs = consecutive_runs(self.read_slots[:, offset:], mask)
-                rows = self.read_rows(offset, num_heads).reshape(-1) if runs is None else None  # [B * H * kv]
-                padded = PaddedKeys(rows, mask[:, None, None, :], runs)
+                slots = self.read_slots_from(offset) if runs is None else None  # [B * kv]
+                padded = PaddedKeys(slots, mask[:, None, None, :], runs)
                 if runs is None and views and window is None and mask.device.type == "cpu":
-                    padded.shared = self._shared_prefix(offset, num_heads, mask)
+                    padded.shared = self._shared_prefix(offset, mask)
             self._padded[key] = padded
         return self._padded[key]
 
-    def _shared_prefix(self, offset: int, num_heads: int, mask: torch.Tensor) -> SharedPrefix | None:
+    def _shared_prefix(self, offset: int, mask: torch.Tensor) -> SharedPrefix | None:
         """The decode step's keys from `offset` that every row reads from the same consecutive slots, when
         there are at least `CASCADE_MIN_SHARED` of them (never the new token: each row keeps a tail)."""
         slots = self.read_slots[:, offset:]  # [B, kv]
@@ -156,10 +144,10 @@ class StepIndex:
         count = min(int(shared.int().cumprod(dim=0).sum()), slots.shape[1] - 1)
         if count < CASCADE_MIN_SHARED:
             return None
-        tail_rows = self.read_rows(offset + count, num_heads).reshape(-1)  # [B * H * (kv - count)]
+        tail_slots = self.read_slots_from(offset + count)  # [B * (kv - count)]
         seen = mask[:, None, None, count:]  # [B, 1, 1, kv - count]
         tail_mask = torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
-        return SharedPrefix(int(first), count, tail_rows, tail_mask)
+        return SharedPrefix(int(first), count, tail_slots, tail_mask)
 
     def queries(self) -> QueryRows:
         """The step's new tokens per row: positions, the indices of the real ones, their first and last."""
@@ -195,15 +183,6 @@ def consecutive_runs(slots: torch.Tensor, is_real: torch.Tensor) -> list[tuple[i
     if not bool(((slots == expected) | ~is_real).all()):
         return None
     return list(zip(first.tolist(), counts.tolist()))
-
-
-def head_major_rows(slots: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[B, H, kv]`` rows ``slot * H + head`` of the flat ``[slots * H, D]`` storage for `slots` ``[B, kv]``.
-
-    Gathering them yields the contiguous per-head layout that `DynamicCache` holds and SDPA reads fastest.
-    """
-    heads = torch.arange(num_heads, device=slots.device)  # [H]
-    return slots.unsqueeze(1) * num_heads + heads.view(1, -1, 1)  # [B, H, kv]
 
 
 @dataclass

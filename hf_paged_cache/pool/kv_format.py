@@ -81,26 +81,26 @@ class KVFormat:
         return dim * self.storage.itemsize + groups * per_group * self.scale_dtype.itemsize
 
     def encode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[N, H, D]`` states as stored: ``(elements [N, H, D], scales [N, H, G, P] or None)``."""
+        """``[..., D]`` states as stored: ``(elements [..., D], scales [..., G, P] or None)``."""
         if not self.scaled:
             return states.to(self.storage), None
-        n, heads, dim = states.shape
+        *lead, dim = states.shape
         groups, _ = self.scale_shape(dim)
-        states = states.to(torch.float32).view(n, heads, groups, dim // groups)  # [N, H, G, D/G]
+        states = states.to(torch.float32).view(*lead, groups, dim // groups)  # [..., G, D/G]
         if self.affine:
-            low, high = states.amin(dim=-1, keepdim=True), states.amax(dim=-1, keepdim=True)  # [N, H, G, 1]
-            scales = torch.cat([low, (high - low) / 255], dim=-1).to(self.scale_dtype)  # [N, H, G, 2]
+            low, high = states.amin(dim=-1, keepdim=True), states.amax(dim=-1, keepdim=True)  # [..., G, 1]
+            scales = torch.cat([low, (high - low) / 255], dim=-1).to(self.scale_dtype)  # [..., G, 2]
             if not torch.isfinite(scales).all():
                 raise ValueError(f"kv_dtype={self.name!r} keeps each group's minimum and range as float16, and a "
                                  "key or value is beyond its 65504: use kv_dtype=None (or 'bfloat16')")
-            low, step = scales.to(torch.float32).split(1, dim=-1)  # what decode will read back, [N, H, G, 1] each
+            low, step = scales.to(torch.float32).split(1, dim=-1)  # what decode will read back, [..., G, 1] each
             step = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: every code 0
             codes = ((states - low) / step).round_().clamp_(0, 255)
         else:
-            scales = states.abs().amax(dim=-1, keepdim=True) / self.qmax  # [N, H, 1, 1]
+            scales = states.abs().amax(dim=-1, keepdim=True) / self.qmax  # [..., 1, 1]
             scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero vector: any scale
             codes = (states / scales).clamp_(-self.qmax, self.qmax)  # rounding may put absmax a hair past qmax
-        return codes.view(n, heads, dim).to(self.storage), scales
+        return codes.view(*lead, dim).to(self.storage), scales
 
     def decode(self, elements: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Stored `elements` ``[..., D]`` (with `scales` ``[..., G, P]``) back in `dtype`."""
@@ -152,19 +152,20 @@ def kv_format(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> K
 class StoredStates:
     """One layer's stored keys (or values) in the pool, read back in the model's dtype.
 
-    `data` is the layer's ``[slots, H, D]`` tensor of the format's elements and `scale` its ``[slots, H, G, P]``
-    scales (`KVFormat.scale_shape`; None for a plain format). A *row* is one head of one slot: row ``slot * H + head`` of the flat
-    ``[slots * H, D]`` view, which is how attention addresses them.
+    `data` is the layer's head-major ``[H, slots, D]`` tensor of the format's elements and `scale` its
+    ``[H, slots, G, P]`` scales (`KVFormat.scale_shape`; None for a plain format). Head-major, so that a run of
+    consecutive slots is, for each head, one contiguous stretch of memory: a ready ``[H, n, D]`` SDPA operand
+    (`run`) that reads like `DynamicCache`'s own tensors, and a gather by slot copies contiguous head rows.
     """
 
-    data: torch.Tensor  # [slots, H, D]
-    scale: torch.Tensor | None  # [slots, H, G, P] in the format's scale_dtype, or None
+    data: torch.Tensor  # [H, slots, D]
+    scale: torch.Tensor | None  # [H, slots, G, P] in the format's scale_dtype, or None
     format: KVFormat
     dtype: torch.dtype  # what reads return: the model's dtype
 
     @property
     def num_heads(self) -> int:
-        return self.data.shape[1]
+        return self.data.shape[0]
 
     @property
     def dim(self) -> int:
@@ -172,23 +173,30 @@ class StoredStates:
 
     @property
     def plain(self) -> torch.Tensor | None:
-        """The ``[slots, H, D]`` data when it is stored exactly as read (views of it are ready operands), else None."""
+        """The ``[H, slots, D]`` data when it is stored exactly as read (views of it are ready operands), else None."""
         return self.data if self.scale is None and self.data.dtype == self.dtype else None
 
     def write(self, slots: torch.Tensor, new: torch.Tensor) -> None:
-        """Store `new` ``[N, H, D]`` at `slots` ``[N]``."""
-        elements, scale = self.format.encode(new.detach())  # the pool never joins an autograd graph
-        writable(self.data).index_copy_(0, slots, writable(elements))
+        """Store `new` ``[H, N, D]`` at `slots` ``[N]``."""
+        if self.plain is not None:
+            self.data.index_copy_(1, slots, new.detach())  # the pool never joins an autograd graph
+            return
+        elements, scale = self.format.encode(new.detach())
+        writable(self.data).index_copy_(1, slots, writable(elements))
         if scale is not None:
-            self.scale.index_copy_(0, slots, scale)
+            self.scale.index_copy_(1, slots, scale)
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[R, D]`` in `dtype`: rows `rows` ``[R]`` of the flat ``[slots * H, D]`` view (a copy)."""
-        elements = self.data.view(-1, self.dim).index_select(0, rows)  # [R, D]
-        scale = None if self.scale is None else self.scale.flatten(0, 1).index_select(0, rows)  # [R, G, P]
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[H, N, D]`` in `dtype`: every head at `slots` ``[N]`` (a copy)."""
+        elements = self.data.index_select(1, slots)  # [H, N, D]
         if self.plain is not None:
             return elements
+        scale = None if self.scale is None else self.scale.index_select(1, slots)  # [H, N, G, P]
         return self.format.decode(elements, scale, self.dtype)
+
+    def run(self, first: int, count: int) -> torch.Tensor:
+        """``[1, H, count, D]``: the `count` consecutive slots from `first`, a view of plain storage (no copy)."""
+        return self.data[:, first : first + count].unsqueeze(0)
 
 
 def writable(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,9 @@ memory of the device. Block ids stay valid across growth, and so do the keys and
 Growth and threads: the protocol
 --------------------------------
 A layer's tensors are created once, on its first `layer()` call, and are never replaced: growing the pool
-resizes them *in place* (``untyped_storage().resize_()``, which copies the contents, then ``resize_()``).
-So the tensors `layer()` returns stay that layer's storage for the pool's whole life, and cover every block
-id handed out, before or after growth.
+moves them *in place* onto a larger storage (a new allocation, every head's slots copied into it, then
+``Tensor.set_``). So the tensors `layer()` returns stay that layer's storage for the pool's whole life, and
+cover every block id handed out, before or after growth.
 
 Growth happens inside `BlockPool.allocate` (when a step takes blocks), through the pool's ``on_grow`` hook,
 before the new ids exist: every existing layer tensor is resized under ``storage_lock.exclusive()``, then the
@@ -29,16 +29,17 @@ id space grows. Resizing frees the old memory, so nobody may touch the tensors m
 that read or write a layer's tensors (`PagedCache`):
 
 1. Hold ``pool.storage_lock.shared()`` for as long as you read or write a layer's tensors (writing the new
-   keys/values, gathering K/V): `PagedCache.update`, `PagedBatch.dense` and `attend_from_pool` do. Call
-   `layer()` (which may create the layer's tensors, under `exclusive()`) before entering `shared()`.
-   Results of a gather (``index_select``) are copies, safe to use after the block.
+   keys/values, gathering K/V, attending from views): `PagedCache.update`, `PagedBatch.dense` and
+   `attend_from_pool` do. Call `layer()` (which may create the layer's tensors, under `exclusive()`) before
+   entering `shared()`. Results of a gather (``index_select``) are copies, safe to use after the block;
+   views are not.
 2. Do not take blocks (`BlockTables.append`, `plan_step`, `BlockPool.allocate`) and do not call `layer()`
    for a layer without storage while holding `shared()`: both may need `exclusive()`, and the lock refuses
    that upgrade with a `RuntimeError` (rather than deadlock). Taking blocks before or after calling
    `layer()` is equally fine: the tensors grow in place.
 3. `copy_blocks` takes `shared()` itself (the lock is reentrant for holders of `shared()`).
 
-Single-threaded use needs no lock at all (the tensors are resized in place), but taking it costs little.
+Single-threaded use needs no lock at all (the tensors are grown in place), but taking it costs little.
 
 Out of memory: creating or growing storage that the device cannot allocate raises `KVMemoryError` (a
 `MemoryError`) naming the bytes. Growth fails inside `allocate`, before any block is taken or any tensor
@@ -77,14 +78,15 @@ ELASTIC_START_TOKENS = 4096
 class KVPool:
     """Key and value storage for every layer of one model, addressed by block id.
 
-    Per attention layer, keys are stored as ``[num_blocks, block_size, num_kv_heads, key_dim]`` (values
-    likewise): token-major inside a block, so the tokens of a sequence are rows of one flat
-    ``[num_blocks * block_size, heads, dim]`` view and a gather by slot id (``block * block_size + offset``)
-    yields ``[tokens, heads, dim]`` directly, with no per-head strides to undo.
+    Per attention layer, keys are stored head-major as ``[num_kv_heads, num_blocks * block_size, key_dim]``
+    (values likewise), addressed by slot id (``block * block_size + offset``) along dim 1: a run of
+    consecutive blocks is, for each head, one contiguous stretch of memory, so attention reads it as an
+    ``[H, n, D]`` view as fast as `DynamicCache`'s own tensors, and a gather by slot ids
+    (``index_select(1, slots)``) yields ``[H, tokens, D]`` with no per-head strides to undo.
 
     Keys and values are stored in `kv_format` (`kv_dtype`: by default the model's `dtype` itself; ``"int8"``,
     ``"float8_e4m3fn"`` with their scales per token and head, or another float type; see `pool.kv_format`),
-    and read back in `dtype`. An 8-bit format also keeps ``[num_blocks * block_size, heads, G, P]`` scales per
+    and read back in `dtype`. An 8-bit format also keeps ``[heads, num_blocks * block_size, G, P]`` scales per
     layer (`key_scales`, `value_scales`, shaped by `KVFormat.scale_shape`; None otherwise), which grow, copy
     and count with their tensors.
 
@@ -216,7 +218,7 @@ class KVPool:
         return sum(n * self.group_bytes_per_block(g) for g, n in enumerate(group_blocks))
 
     def layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[StoredStates, StoredStates]:
-        """This layer's stored keys and values (`StoredStates` over its ``[num_blocks * block_size, heads, dim]``
+        """This layer's stored keys and values (`StoredStates` over its ``[heads, num_blocks * block_size, dim]``
         tensors), created on first use.
 
         The tensors are the layer's storage for the pool's life (growth resizes them in place); hold
@@ -246,7 +248,7 @@ class KVPool:
             )
         keys, group = self.keys[layer_idx], self.group_of[layer_idx]
         num_blocks = self.groups[group].num_blocks
-        if keys is None or keys.shape[0] < num_blocks * self.block_size:
+        if keys is None or keys.shape[1] < num_blocks * self.block_size:
             with self._exclusive(f"creating layer {layer_idx}'s storage"):
                 if self.keys[layer_idx] is None:
                     blocks = max(num_blocks, self._storage_blocks[group])
@@ -286,7 +288,7 @@ class KVPool:
             return
         size, layers = self.block_size, self.layer_groups[group].layers
         num_blocks = self.groups[group].num_blocks
-        if any(self.keys[i] is not None and self.keys[i].shape[0] < num_blocks * size for i in layers):
+        if any(self.keys[i] is not None and self.keys[i].shape[1] < num_blocks * size for i in layers):
             with self._exclusive("growing the storage for copy_blocks"):  # never for a pool built here
                 for layer_idx in layers:
                     self._grow_layer(layer_idx, num_blocks)
@@ -297,7 +299,7 @@ class KVPool:
                 src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
                 dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)], device=storage.device)
                 storage = writable(storage)  # float8 has no CPU index_copy_: its bytes do
-                storage.index_copy_(0, dst, storage.index_select(0, src))
+                storage.index_copy_(1, dst, storage.index_select(1, src))
 
     def storage_bytes(self) -> int:
         """Bytes of K/V tensors (and scales) allocated so far (layers are created lazily; an elastic pool's grow
@@ -336,19 +338,19 @@ class KVPool:
             self._storage_blocks[group] = max(self._storage_blocks[group], num_blocks)
 
     def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
-        """Resize layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
-        rows = num_blocks * self.block_size
+        """Grow layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
+        slots = num_blocks * self.block_size
         for name, tensor in self._layer_tensors(layer_idx):
-            if tensor is None or tensor.shape[0] >= rows:
+            if tensor is None or tensor.shape[1] >= slots:
                 continue
-            nbytes = rows * tensor[0].numel() * tensor.element_size()
+            nbytes = slots * tensor[:, 0].numel() * tensor.element_size()
             try:
-                _resize_storage(tensor, nbytes)  # copies the contents; on failure, nothing changed
+                _grow_slots(tensor, slots)  # copies the contents; on failure, nothing changed
             except (RuntimeError, MemoryError) as error:
                 if not _out_of_memory(error):
                     raise
                 raise KVMemoryError(
-                    f"growing the elastic KV pool from {tensor.shape[0] // self.block_size:,} to {num_blocks:,} "
+                    f"growing the elastic KV pool from {tensor.shape[1] // self.block_size:,} to {num_blocks:,} "
                     f"blocks: layer {layer_idx}'s {name} need {nbytes:,} bytes ({format_memory(nbytes)}) on "
                     f"{tensor.device}, which it could not allocate ({error}). Nothing was taken: the pool keeps "
                     f"its {self.groups[self.group_of[layer_idx]].num_blocks:,} blocks. Release other caches on this pool, or give the pool a "
@@ -356,8 +358,6 @@ class KVPool:
                     nbytes,
                     tensor.device,
                 ) from error
-            with torch.inference_mode(tensor.is_inference()):
-                tensor.resize_(rows, *tensor.shape[1:])  # the storage is big enough: only the shape changes
 
     def _create(
         self, layer_idx: int, shape: LayerShape, device: torch.device, num_blocks: int
@@ -368,9 +368,9 @@ class KVPool:
         stored = self.kv_format
         stored.check_device(device)
         try:
-            keys = _empty((slots, shape.num_heads, shape.key_dim), stored.storage, device)
-            values = _empty((slots, shape.num_heads, shape.value_dim), stored.storage, device)
-            scales = [_empty((slots, shape.num_heads, *stored.scale_shape(dim)), stored.scale_dtype, device)
+            keys = _empty((shape.num_heads, slots, shape.key_dim), stored.storage, device)
+            values = _empty((shape.num_heads, slots, shape.value_dim), stored.storage, device)
+            scales = [_empty((shape.num_heads, slots, *stored.scale_shape(dim)), stored.scale_dtype, device)
                       if stored.scaled else None for dim in (shape.key_dim, shape.value_dim)]
         except (RuntimeError, MemoryError) as error:
             if not _out_of_memory(error):
@@ -387,7 +387,7 @@ class KVPool:
         with torch.inference_mode(False):
             for tensor in (keys, values, *scales):  # padding reads the null block: keep it finite
                 if tensor is not None:
-                    tensor[null] = 0
+                    tensor[:, null] = 0
         return keys, values, *scales
 
     def __repr__(self) -> str:
@@ -419,9 +419,13 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    """Grow `tensor`'s storage to `nbytes`, keeping its contents (a new allocation and a copy)."""
-    tensor.untyped_storage().resize_(nbytes)
+def _grow_slots(tensor: torch.Tensor, slots: int) -> None:
+    """Make head-major `tensor` ``[H, S, ...]`` hold `slots` slots in place, keeping its contents: a new
+    allocation, every head's slots copied into it, and the same tensor object pointed at it (``set_``)."""
+    with torch.inference_mode(False):  # the pool's tensors are normal tensors (`_empty`)
+        grown = torch.empty((tensor.shape[0], slots, *tensor.shape[2:]), dtype=tensor.dtype, device=tensor.device)
+        grown[:, : tensor.shape[1]] = tensor
+        tensor.set_(grown)
 
 
 def _out_of_memory(error: BaseException) -> bool:
