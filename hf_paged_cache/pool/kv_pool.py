@@ -133,6 +133,7 @@ class KVPool:
         self.values: list[torch.Tensor | None] = [None] * layout.num_layers
         self.key_scales: list[torch.Tensor | None] = [None] * layout.num_layers  # scaled formats only
         self.value_scales: list[torch.Tensor | None] = [None] * layout.num_layers
+        self._stored: list[tuple[StoredStates, StoredStates] | None] = [None] * layout.num_layers  # `stored`
         self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
 
     @classmethod
@@ -266,14 +267,19 @@ class KVPool:
         return self.stored(layer_idx)
 
     def stored(self, layer_idx: int) -> tuple[StoredStates, StoredStates]:
-        """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `layer`)."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if keys is None or values is None:
-            raise ValueError(f"layer {layer_idx} has stored nothing yet")
-        return (
-            StoredStates(keys, self.key_scales[layer_idx], self.kv_format, self.dtype),
-            StoredStates(values, self.value_scales[layer_idx], self.kv_format, self.dtype),
-        )
+        """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `layer`).
+
+        Made once per layer: its tensors are never replaced (growth moves them in place)."""
+        stored = self._stored[layer_idx]
+        if stored is None:
+            keys, values = self.keys[layer_idx], self.values[layer_idx]
+            if keys is None or values is None:
+                raise ValueError(f"layer {layer_idx} has stored nothing yet")
+            stored = self._stored[layer_idx] = (
+                StoredStates(keys, self.key_scales[layer_idx], self.kv_format, self.dtype),
+                StoredStates(values, self.value_scales[layer_idx], self.kv_format, self.dtype),
+            )
+        return stored
 
     def _layer_tensors(self, layer_idx: int) -> list[tuple[str, torch.Tensor | None]]:
         """Every tensor layer `layer_idx` stores (keys, values and their scales), with its name."""

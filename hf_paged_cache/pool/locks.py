@@ -24,6 +24,7 @@ class SharedExclusiveLock:
         self._writer_depth = 0
         self._writers_waiting = 0
         self._local = threading.local()  # this thread's shared() depth
+        self._shared_hold = SharedHold(self)
 
     def _shared_depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -36,9 +37,11 @@ class SharedExclusiveLock:
         """Whether the calling thread holds `exclusive()`."""
         return self._writer == threading.get_ident()
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        """Hold the lock shared: other `shared()` holders may run, `exclusive()` may not."""
+    def shared(self) -> SharedHold:
+        """Hold the lock shared (``with lock.shared():``): other `shared()` holders may run, `exclusive()` may not."""
+        return self._shared_hold
+
+    def _enter_shared(self) -> None:
         me = threading.get_ident()
         with self._condition:
             if self._writer != me and not self._shared_depth():
@@ -46,14 +49,13 @@ class SharedExclusiveLock:
                     self._condition.wait()
             self._readers += 1
             self._local.depth = self._shared_depth() + 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._readers -= 1
-                self._local.depth -= 1
-                if not self._readers:
-                    self._condition.notify_all()
+
+    def _leave_shared(self) -> None:
+        with self._condition:
+            self._readers -= 1
+            self._local.depth -= 1
+            if not self._readers:
+                self._condition.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -91,3 +93,20 @@ class SharedExclusiveLock:
             f"SharedExclusiveLock(shared={self._readers}, exclusive={self._writer is not None}, "
             f"writers_waiting={self._writers_waiting})"
         )
+
+
+class SharedHold:
+    """What `SharedExclusiveLock.shared` returns: a plain context manager, holding no state of its own (the lock
+    counts its holders per thread), so one serves every ``with`` on its lock. Cheaper than a generator-based
+    ``contextmanager``, which matters here: a paged cache takes the lock twice per layer and forward."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: SharedExclusiveLock):
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock._enter_shared()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock._leave_shared()
