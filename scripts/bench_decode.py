@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache.serving.heap import pad_heap
 from hf_paged_cache.bench import (
     StepClock,
     Timer,
@@ -125,6 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sample-batch-size", type=int, default=4, help="prompts of the sample scenario (default: 4)"
     )
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
+    parser.add_argument(
+        "--pad-heap", action="store_true",
+        help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) for every "
+        "variant alike; default: glibc's own settings",
+    )
     args = parser.parse_args(argv)
     args.modes = parse_list(args.modes)
     args.variants = parse_list(args.variants)
@@ -320,6 +326,8 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.pad_heap and not pad_heap():
+        print("--pad-heap: not glibc, malloc left as is", file=sys.stderr)
     model, tokenizer = load(args)
     pad_id = pad_token_id(model, tokenizer)
     context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
