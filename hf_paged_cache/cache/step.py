@@ -43,7 +43,8 @@ view of the pool (`PaddedKeys.runs`) rather than gathering all rows into one pad
 A view saves the gather (the bytes `DynamicCache`'s ``cat`` moves at every step) but costs one SDPA call per
 row. Measured per layer on a 2-core AMD EPYC (SmolLM2-135M shapes: 3 KV heads of 64, 9 query heads; float32;
 views against gather and one call): one row of 512 tokens 73-137 us against 95-148 us; 16 rows of 100 to 400
-tokens 765-1,252 us against 771-2,085 us (one and two threads). A fresh cache's rows start in consecutive
+tokens 765-1,252 us against 771-2,085 us (one and two threads; measured when the pool was token-major, whose
+views SDPA read more slowly than the head-major ones of today, so the choice holds). A fresh cache's rows start in consecutive
 blocks, and a row alone keeps them (`generate` at batch size 1 reads views at every step); rows of a batch
 lose them once one takes a block that another row's run holds the next of.
 """
@@ -55,7 +56,8 @@ for all rows (`SharedPrefix`) rather than gather them into every row.
 
 The cascade costs a second SDPA call and a few small ops to merge (about 40 us per layer here) and saves
 the copy of the shared keys and values into every row: on SmolLM2-135M shapes (3 KV heads of 64, float32,
-2-core AMD EPYC) 4 beams sharing 512 keys attend in 340 us per layer against 550 us with the gather.
+2-core AMD EPYC) 4 beams sharing 512 keys attend in 340 us per layer against 550 us with the gather
+(measured on the token-major pool, whose views read more slowly than today's head-major ones).
 """
 
 
