@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pad-heap", action="store_true",
         help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) for every "
-        "variant alike; default: glibc's own settings",
+        "variant alike (without it: glibc's own settings)",
     )
     args = parser.parse_args(argv)
     args.modes = parse_list(args.modes)
