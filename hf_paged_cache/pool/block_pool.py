@@ -11,9 +11,10 @@ import operator
 import threading
 import weakref
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from .free_blocks import FreeBlocks, Reuse
 
 NULL_BLOCK = 0
 """Block 0 is never handed out. Padding in a block table points at it, so every gather reads valid memory
@@ -88,7 +89,7 @@ class BlockPool:
     - elastic (``max_blocks=None``): `allocate` always succeeds, growing the id space as needed.
 
     `allocate` grows only when the free blocks (including free blocks that still hold prefix-cached
-    contents, which it evicts, least recently freed first, rather than grow) cannot supply `n`, and then
+    contents, which it evicts rather than grow, in `FreeBlocks` order) cannot supply `n`, and then
     geometrically, to ``max(num_blocks + shortfall, 2 x num_blocks)`` (capped), so growth is amortized. Ids
     never move: a block id stays valid (and keeps its contents in `KVPool`) across growth.
     `on_grow(new_num_blocks)`, if given, is called before the id space grows, outside the lock: `KVPool` grows
@@ -98,9 +99,9 @@ class BlockPool:
     **Free blocks.** Ids never handed out are dealt from a counter (in increasing order), and only recycled
     blocks are kept in the free list, so a pool costs O(blocks ever used) memory, not O(num_blocks): a large
     cap costs nothing until it is used. `allocate` deals never-used ids first, then recycled ones in the
-    order they were freed. The free list is an ordered dict used as an ordered set: `allocate` pops from the
-    front and `free` appends at the back, both O(1), and a specific block can also leave it in O(1) (which a
-    plain deque cannot do). A block is free exactly when its reference count is 0.
+    free list's order (`FreeBlocks`: blocks holding nothing findable, then cached blocks never reused, then
+    reused ones, each least recently freed first); taking, freeing and a prefix hit on a free block are all
+    O(1). A block is free exactly when its reference count is 0.
 
     **Counts.** `capacity` is the most blocks that can be held at once: ``max_blocks - 1`` for a fixed or
     capped pool, ``num_blocks - 1`` (the current size; it grows) for an elastic one. `num_used` is the blocks
@@ -110,7 +111,9 @@ class BlockPool:
     Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block
     that nobody holds stays in the free list with its contents and its key, so `match_prefix` can take it
     back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an
-    eviction), least recently freed first.
+    eviction). A block taken back that way is *reused*: freed again, it is evicted after the cached blocks
+    nobody reused (up to half the capacity of such blocks, see `FreeBlocks`), so a prefix many requests share
+    outlives a burst of one-off prompts.
 
     Thread safety: `_lock` guards the id space, the free list, the reference counts, the prefix index and the
     counters together, so concurrent caches on one pool never receive the same block, never double-free one
@@ -147,9 +150,10 @@ class BlockPool:
         self._lock = threading.Lock()
         # Holders of each block ever handed out; its length is the next never-used id. The null block stays 0.
         self._refcounts = [0]
-        self._free: OrderedDict[int, None] = OrderedDict()  # recycled blocks (refcount 0), in the order freed
+        self._free = FreeBlocks()  # recycled blocks (refcount 0), in eviction order
         self._by_hash: dict[bytes, int] = {}  # prefix key -> the block holding those tokens
         self._cached: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its key, its tokens)
+        self._reused: set[int] = set()  # cached blocks taken back by a prefix hit since they were cached
         self._hits = self._misses = self._evictions = 0
         self._grows = 0
         self._listeners: list[weakref.WeakMethod | Callable[[], None]] = []  # called when blocks are freed
@@ -197,8 +201,8 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         """Take `n` free blocks with reference count 1, or return None (taking nothing) if the cap forbids.
 
-        Never-used ids come first (in increasing order), then recycled blocks in the order they were freed
-        (evicting their prefix-cached contents). If those are too few, the id space grows (see the class
+        Never-used ids come first (in increasing order), then recycled blocks in the free list's order
+        (`FreeBlocks`; evicting their prefix-cached contents). If those are too few, the id space grows (see the class
         docstring); an error raised by `on_grow` propagates, with nothing taken and the pool not grown.
         """
         if n < 0:
@@ -245,11 +249,12 @@ class BlockPool:
         block_ids = list(range(start, start + fresh))
         self._refcounts.extend([1] * fresh)
         for _ in range(n - fresh):
-            block_id = self._free.popitem(last=False)[0]
+            block_id = self._free.pop()
             block_ids.append(block_id)
             self._refcounts[block_id] = 1
             if block_id in self._cached:  # its old contents are about to be overwritten
                 del self._by_hash[self._cached.pop(block_id)[0]]
+                self._reused.discard(block_id)
                 self._evictions += 1
         return block_ids
 
@@ -272,7 +277,7 @@ class BlockPool:
                 self._check_held(block_id)
                 self._refcounts[block_id] -= 1
                 if self._refcounts[block_id] == 0:
-                    self._free[block_id] = None
+                    self._free.add(block_id, self._reuse_of(block_id), self.capacity // 2)
                     freed = True
             listeners = list(self._listeners) if freed else []
         for listener in listeners:
@@ -347,8 +352,9 @@ class BlockPool:
                 return False  # evicted since the lookup
             for block_id, _ in blocks:
                 if self._refcounts[block_id] == 0:
-                    del self._free[block_id]
+                    self._free.remove(block_id)
                 self._refcounts[block_id] += 1
+                self._reused.add(block_id)
             self._hits += len(blocks)
             self._misses += max(looked_up - len(blocks), 0)
             return True
@@ -372,6 +378,12 @@ class BlockPool:
 
     def prefix_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._hits, self._misses, self._evictions, len(self._cached))
+
+    def _reuse_of(self, block_id: int) -> Reuse:
+        """The free-list segment of a block just freed (see `FreeBlocks`)."""
+        if block_id in self._reused:
+            return Reuse.REUSED
+        return Reuse.CACHED if block_id in self._cached else Reuse.EMPTY
 
     def _check_held(self, block_id: int) -> None:
         if not NULL_BLOCK < block_id < len(self._refcounts) or self._refcounts[block_id] < 1:
