@@ -35,33 +35,35 @@ class FreeBlocks:
     """Recycled blocks in eviction order: empty, then probation, then protected (see the module docstring)."""
 
     def __init__(self) -> None:
-        # One ordered set per segment, least recently freed first, in the order `pop` takes them.
-        self._segments: dict[Reuse, OrderedDict[int, None]] = {reuse: OrderedDict() for reuse in Reuse}
-        self._protected = self._segments[Reuse.REUSED]
+        self._empty: OrderedDict[int, None] = OrderedDict()
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        # Indexed by `Reuse.value`, in the order `pop` takes them; each least recently freed first.
+        self._segments = (self._empty, self._probation, self._protected)
 
     def __len__(self) -> int:
-        return sum(len(segment) for segment in self._segments.values())
+        return len(self._empty) + len(self._probation) + len(self._protected)
 
     def __contains__(self, block_id: int) -> bool:
-        return any(block_id in segment for segment in self._segments.values())
+        return block_id in self._empty or block_id in self._probation or block_id in self._protected
 
     def add(self, block_id: int, reuse: Reuse, protected_limit: int) -> None:
         """Put a block nobody holds any more at the back of its segment; keep protected at most `protected_limit`."""
-        self._segments[reuse][block_id] = None
+        self._segments[reuse.value][block_id] = None
         while len(self._protected) > protected_limit:
-            demoted = self._protected.popitem(last=False)[0]
-            self._segments[Reuse.CACHED][demoted] = None  # the back of probation
+            self._probation[self._protected.popitem(last=False)[0]] = None  # demoted: the back of probation
 
     def remove(self, block_id: int) -> None:
         """Take a specific free block out (a prefix hit holds it again). `KeyError` if it is not free."""
-        for segment in self._segments.values():
-            if segment.pop(block_id, False) is None:
+        for segment in self._segments:
+            if block_id in segment:
+                del segment[block_id]
                 return
         raise KeyError(block_id)
 
     def pop(self) -> int:
         """The next block to hand out: the front of the first non-empty segment. `KeyError` if none is free."""
-        for segment in self._segments.values():
+        for segment in self._segments:
             if segment:
                 return segment.popitem(last=False)[0]
         raise KeyError("no free block")
