@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .models import load_model_and_tokenizer
+from .models import DTYPE_CHOICES, load_model_and_tokenizer, resolve_dtype
 from .pool.kv_format import KV_DTYPES
 from .pool.memory import format_memory, parse_memory
 
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"bearer key the API needs (default: ${API_KEY_ENV}; none: no key)")
     parser.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="model and cache dtype; auto: bfloat16 where the device computes it natively, else "
+                             "float32 (default: float32)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument(
         "--packed-linears", action=argparse.BooleanOptionalAction, default=True,
@@ -164,7 +166,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     from .kernels import pack_linears
     from .serving.batcher import ContinuousBatcher
 
-    logger.info("loading %s (%s on %s)", options.model, options.dtype, options.device)
+    logger.info("loading %s (%s on %s)", options.model, resolve_dtype(options.dtype, options.device), options.device)
     model, tokenizer = _load_model(options)
     if options.packed_linears and torch.device(options.device).type == "cpu":
         logger.info("packed %d linear layers for oneDNN", pack_linears(model))
@@ -180,12 +182,11 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
 def _load_model(options: argparse.Namespace) -> tuple[Any, Any]:
     if options.model in OFFLINE_MODELS:
         return load_model_and_tokenizer(OFFLINE_MODELS[options.model], device=options.device, dtype=options.dtype)
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        options.model, dtype=getattr(torch, options.dtype), trust_remote_code=options.trust_remote_code,
+        options.model, dtype=resolve_dtype(options.dtype, options.device), trust_remote_code=options.trust_remote_code,
     )
     return model.to(options.device).eval(), tokenizer
 

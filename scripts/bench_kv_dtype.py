@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--kv-dtypes must start with the reference, {REFERENCE}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     model, tokenizer = load_model_and_tokenizer(args.model, device="cpu", dtype=args.dtype)
-    if args.dtype != "float32":
+    if model.dtype != torch.float32:
         raise SystemExit("this benchmark compares stored dtypes under float32 weights (--dtype float32)")
     set_paged_attention(model)
-    results: dict[str, Any] = {"benchmark": "kv_dtype", "model": args.model or "default", "dtype": args.dtype,
+    results: dict[str, Any] = {"benchmark": "kv_dtype", "model": args.model or "default", "dtype": "float32",
                                "settings": vars(args), "bytes": bytes_per_token(model, kv_dtypes)}
     prompts = text_prompts(tokenizer, args.corpus, [int(n) for n in args.fidelity_lens.split(",")])
     batch = left_pad(prompts, pad_token_id(model, tokenizer), "cpu")

@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens,
             "block_size": args.block_size,
-            "dtype": args.dtype,
+            "dtype": str(model.dtype).removeprefix("torch."),
             "device": args.device,
             "chat_template": bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat_template,
         },

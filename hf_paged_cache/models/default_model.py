@@ -97,6 +97,8 @@ OFFLINE_MODEL_DIRNAME: str = "SmolLM2-135M-Instruct"
 _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
+DTYPE_CHOICES: tuple[str, ...] = (*_DTYPES, "auto")
+"""What ``--dtype`` takes: a dtype's name, or ``"auto"`` (`fast_dtype`)."""
 
 _HUB_PROBE_TIMEOUT_S: float = 3.0
 _TRUE_STRINGS: frozenset[str] = frozenset({"1", "on", "yes", "true"})
@@ -215,17 +217,37 @@ def resolve_model_path(model: str | None) -> str:
     return str(ensure_offline_default_model())
 
 
-def _as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """`dtype` as a floating-point torch dtype; ``"auto"`` is `fast_dtype(device)`.
+
+    Raises:
+        ValueError: for anything else than ``"auto"``, a name of `DTYPE_CHOICES` or a floating-point dtype.
+    """
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         return dtype
+    if dtype == "auto":
+        return fast_dtype(device)
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
-    raise ValueError(
-        f"Unsupported dtype {dtype!r}; use one of {', '.join(map(repr, _DTYPES))} "
-        "or a torch.dtype"
-    )
+    raise ValueError(f"Unsupported dtype {dtype!r}; use one of {', '.join(map(repr, DTYPE_CHOICES))} or a torch.dtype")
+
+
+def fast_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bfloat16 where `device` multiplies it natively, else float32.
+
+    Natively: a CUDA GPU that supports bfloat16, or a CPU with AMX or AVX512-BF16 instructions, which oneDNN's
+    bfloat16 kernels use (elsewhere bfloat16 products are emulated with float32 arithmetic). In
+    bfloat16 a paged cache is as close to the float32 model as `DynamicCache` in bfloat16 is
+    (`tests/test_model_dtype.py`), not token-identical to it.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def load_model_and_tokenizer(
@@ -241,8 +263,8 @@ def load_model_and_tokenizer(
             the offline conversion when the Hub cannot be reached (see
             :func:`resolve_model_path`).
         device: Device to move the model to.
-        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a floating-point
-            :class:`torch.dtype`.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (bfloat16 where ``device``
+            computes it natively, else float32: :func:`fast_dtype`) or a floating-point :class:`torch.dtype`.
 
     Returns:
         ``(model, tokenizer)``, with the model in eval mode on ``device`` and the tokenizer
@@ -251,7 +273,7 @@ def load_model_and_tokenizer(
     Raises:
         ValueError: for an unsupported ``dtype``.
     """
-    torch_dtype = _as_torch_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
