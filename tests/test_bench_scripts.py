@@ -408,3 +408,18 @@ def test_bench_serving(serving_result: dict[str, Any], tiny_dir: str) -> None:
     assert results["contenders"]["batcher_unpacked"]["packed_steps"] == [0]
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(tiny_dir), torch.float32)
     assert results["budget_bytes"] == (3 * math.ceil((24 + 6) / 4) + 1) * 4 * per_token
+
+
+def test_bench_model_dtype(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--dtypes", "float32,bfloat16", "--num-requests", "4", "--max-prompt", "24",
+            "--max-new", "6", "--output-scale", "0.05", "--repeats", "2", "--budget", "1MiB"]
+    results = run_script("bench_model_dtype", args, results_dir / "bench_model_dtype.json")
+    full, half = results["dtypes"]["float32"], results["dtypes"]["bfloat16"]
+    assert (full["dtype"], half["dtype"]) == ("float32", "bfloat16")
+    assert full["ratio_per_round"] == [1.0, 1.0] and len(half["ratio_per_round"]) == 2
+    assert full["requests_identical_to_reference"] == 4 and full["mean_first_difference"] is None
+    assert 0 <= half["requests_identical_to_reference"] <= 4
+    assert full["same_tokens_every_round"] and half["same_tokens_every_round"]  # each dtype is deterministic
+    assert results["output_tokens"] == sum(min(max(round(n * 0.05), 1), 6)
+                                           for n in sharegpt_workload(4, max_prompt=24, max_output=10**6,
+                                                                      token_range=(3, VOCAB)).output_lens)
