@@ -232,9 +232,9 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
     prefixes = [tokenizer.decode([rng.randrange(*token_range) for _ in range(args.prefix_tokens)])
                 for _ in range(args.prefixes)]
     jobs = []
-    for request in workload.requests:
+    for request, max_tokens in zip(workload.requests, workload.scaled_output_lens(args.output_scale, max_new),
+                                   strict=True):
         text = (rng.choice(prefixes) if prefixes else "") + tokenizer.decode(list(request.prompt_ids))
-        max_tokens = min(max(round(request.output_len * args.output_scale), 1), max_new)
         jobs.append(Job(text, list(tokenizer(text).input_ids), max_tokens))
     return jobs
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt, max_output=10**6,
                                  token_range=prompt_token_range(models[names[0]], tokenizer))
     prompts = workload.prompts()
-    outputs = [min(max(round(n * args.output_scale), 1), args.max_new) for n in workload.output_lens]
+    outputs = workload.scaled_output_lens(args.output_scale, args.max_new)
     budget = parse_memory(args.budget)
 
     def run(name: str, count: int) -> dict[str, Any]:

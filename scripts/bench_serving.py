@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
                                  max_output=10**6, token_range=prompt_token_range(model, tokenizer))
     prompts = workload.prompts()
-    outputs = [min(max(round(n * args.output_scale), 1), args.max_new) for n in workload.output_lens]
+    outputs = workload.scaled_output_lens(args.output_scale, args.max_new)
     per_token = kv_bytes_per_token(model.config, model.dtype)
     row_blocks = -(-(args.max_prompt + args.max_new) // args.block_size)  # a row's blocks at most
     budget = parse_memory(args.budget) if args.budget else (args.batch_size * row_blocks + 1) * args.block_size * per_token

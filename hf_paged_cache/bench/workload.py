@@ -114,6 +114,11 @@ class Workload:
     def prompts(self) -> list[list[int]]:
         return [list(r.prompt_ids) for r in self.requests]
 
+    def scaled_output_lens(self, scale: float, cap: int) -> list[int]:
+        """Each output length times `scale`, rounded, at least 1 and at most `cap`: the share of ShareGPT's long
+        answers a CPU run affords (the benchmarks' ``--output-scale`` and ``--max-new``)."""
+        return [min(max(round(n * scale), 1), cap) for n in self.output_lens]
+
     def summary(self) -> dict[str, Any]:
         """Realised length statistics (after capping), for the JSON files."""
 
