@@ -33,6 +33,8 @@ from .pool.kv_format import KV_DTYPES
 from .pool.memory import format_memory, parse_memory
 
 if TYPE_CHECKING:  # the serve extra may be missing: main() imports these only when it runs
+    import torch
+
     from .serving.batcher import ContinuousBatcher
     from .serving.http.engine import EngineClient
     from .serving.http.metrics import ServerMetrics
@@ -166,8 +168,9 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     from .kernels import pack_linears
     from .serving.batcher import ContinuousBatcher
 
-    logger.info("loading %s (%s on %s)", options.model, resolve_dtype(options.dtype, options.device), options.device)
-    model, tokenizer = _load_model(options)
+    dtype = resolve_dtype(options.dtype, options.device)
+    logger.info("loading %s (%s on %s)", options.model, dtype, options.device)
+    model, tokenizer = _load_model(options, dtype)
     if options.packed_linears and torch.device(options.device).type == "cpu":
         logger.info("packed %d linear layers for oneDNN", pack_linears(model))
     batcher = ContinuousBatcher(
@@ -179,14 +182,14 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     return batcher, tokenizer
 
 
-def _load_model(options: argparse.Namespace) -> tuple[Any, Any]:
+def _load_model(options: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, Any]:
     if options.model in OFFLINE_MODELS:
-        return load_model_and_tokenizer(OFFLINE_MODELS[options.model], device=options.device, dtype=options.dtype)
+        return load_model_and_tokenizer(OFFLINE_MODELS[options.model], device=options.device, dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        options.model, dtype=resolve_dtype(options.dtype, options.device), trust_remote_code=options.trust_remote_code,
+        options.model, dtype=dtype, trust_remote_code=options.trust_remote_code,
     )
     return model.to(options.device).eval(), tokenizer
 
