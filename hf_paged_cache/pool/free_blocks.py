@@ -44,9 +44,6 @@ class FreeBlocks:
     def __len__(self) -> int:
         return len(self._empty) + len(self._probation) + len(self._protected)
 
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._empty or block_id in self._probation or block_id in self._protected
-
     def add(self, block_id: int, reuse: Reuse, protected_limit: int) -> None:
         """Put a block nobody holds any more at the back of its segment; keep protected at most `protected_limit`."""
         self._segments[reuse.value][block_id] = None
