@@ -88,11 +88,18 @@ def run(model, cache, **kwargs):
 
 
 @functools.cache
+def float32_reference(model_type: str, attention: str):
+    """The float32 model's greedy generation with `DynamicCache`, raw logits included (computed once)."""
+    full, _ = models(model_type, attention)
+    return run(full, DynamicCache(config=full.config))
+
+
+@functools.cache
 def fidelity(model_type: str, attention: str, cache_kind: str) -> Fidelity:
     """How close the bfloat16 model stays to float32 (with `DynamicCache`) with a `cache_kind` cache:
     ``"dynamic"``, ``"paged"`` or ``"paged-float8"`` (float8 keys and values)."""
-    full, half = models(model_type, attention)
-    reference = run(full, DynamicCache(config=full.config))
+    _, half = models(model_type, attention)
+    reference = float32_reference(model_type, attention)
     caches = {"dynamic": lambda: DynamicCache(config=half.config), "paged": lambda: PagedCache(half),
               "paged-float8": lambda: PagedCache(half, kv_dtype="float8_e4m3fn")}
     cache = caches[cache_kind]()
