@@ -32,6 +32,7 @@ APP_NAME = "hf_paged_cache"
 ROUTING_STATS_PERIOD_S = 0.5  # how often replicas publish their prefix summaries
 INGRESS_MAX_ONGOING = 4096  # HTTP requests one ingress replica takes at once (the batchers queue and refuse)
 HEALTH_CHECK_PERIOD_S = 2.0  # a dead replica is noticed, and replaced, within a few of these
+DRAIN_POLL_S = 0.25  # how often a stopping replica checks whether its requests are done (Serve's default: 2 s)
 
 
 def build_application(options: argparse.Namespace, chat_template: str | None = None) -> Any:
@@ -45,16 +46,18 @@ def build_application(options: argparse.Namespace, chat_template: str | None = N
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
     )
     logging_config = LoggingConfig(log_level=options.log_level.upper(), enable_access_log=options.log_level == "debug")
-    board = PoolBoard.options(logging_config=logging_config).bind()
+    board = PoolBoard.options(logging_config=logging_config, graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind()
     engine = EngineReplica.options(
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": gpus},
         max_ongoing_requests=(options.max_running or 64) + options.max_waiting,  # the batcher queues the rest
         request_router_config=router,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         logging_config=logging_config,
     ).bind(options, board)
     return Ingress.options(max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
+                           graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
                            logging_config=logging_config).bind(options, chat_template, engine, board)
 
 
