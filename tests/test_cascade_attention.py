@@ -44,7 +44,7 @@ def test_a_decode_step_finds_the_keys_its_rows_share():
     padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, window=None)
     assert padded.runs is None and padded.shared is not None
     assert (padded.shared.first, padded.shared.count) == (100, 80)
-    assert padded.shared.tail_slots.slots.tolist() == own.reshape(-1).tolist()
+    assert padded.shared.tail_slots.tolist() == own.reshape(-1).tolist()
     assert padded.shared.tail_mask.shape == (3, 1, 1, 2)
 
 

@@ -24,7 +24,7 @@ from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_paged_cache import ContinuousBatcher, KVPool, PagedCache, PoolExhaustedError, set_paged_attention
-from hf_paged_cache.pool.kv_format import KV_DTYPES, SlotIndex, StoredStates, kv_format
+from hf_paged_cache.pool.kv_format import KV_DTYPES, StoredStates, kv_format
 
 ARCHITECTURES = ["llama", "gemma3_text", "gpt_oss", "deepseek_v3"]  # plain, sliding, sinks, latent (Dk != Dv)
 ATTENTIONS = ["default", "paged_sdpa"]
@@ -516,19 +516,3 @@ def test_stored_states_write_and_gather_slots():
     assert torch.equal(plain.gather(torch.tensor([1, 6, 4])), states[:, [1, 0, 2]])
     assert torch.equal(plain.run(3, 4)[0], plain.data[:, 3:7]) and plain.run(3, 4).data_ptr() == plain.data[:, 3].data_ptr()
     assert plain.plain is plain.data
-
-
-@pytest.mark.parametrize("name", [None, "int8"])
-def test_a_gather_reads_every_head_at_its_slots_on_storage_of_any_shape(name):
-    """One `SlotIndex` read from storage of two shapes (another layer's heads, a grown pool's slots) gives each
-    storage's own elements and scales at those slots: its rows are made per shape, never reused across them."""
-    kv = kv_format(name, torch.float32)
-    wanted = [5, 0, 17, 5, 31]
-    index = SlotIndex(torch.tensor(wanted))
-    for heads, num_slots in ((2, 32), (3, 48), (2, 64)):
-        states = torch.randn(heads, num_slots, 64, generator=torch.Generator().manual_seed(num_slots))
-        elements, scales = kv.encode(states)
-        stored = StoredStates(elements, scales, kv, torch.float32)
-        expected = kv.decode(elements[:, wanted], None if scales is None else scales[:, wanted], torch.float32)
-        assert torch.equal(stored.gather(index), expected)  # [H, 5, 64]
-        assert torch.equal(stored.gather(torch.tensor(wanted)), expected)  # a plain tensor of slots likewise

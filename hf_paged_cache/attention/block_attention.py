@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..pool.kv_format import SlotIndex, StoredStates
+from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 
 PAGED_INPUTS = "paged_attention_inputs"
@@ -43,8 +43,7 @@ PAGED_INPUTS = "paged_attention_inputs"
 class RowKeys:
     """Where each row's keys for one window offset live in a layer's ``[H, slots, D]`` storage."""
 
-    slots: list[SlotIndex]  # per row b: [n_b] pool slots of its real keys
-    every: SlotIndex  # [sum of n_b] every row's slots, row after row
+    slots: list[torch.Tensor]  # per row b: [n_b] pool slots of its real keys
     positions: list[torch.Tensor]  # per row b: [n_b] their logical positions
     spans: list[tuple[int, int]]  # per row b: its first and last key position (n_b >= 1 for a row with queries)
 
@@ -70,7 +69,7 @@ class SharedPrefix:
 
     first: int
     count: int
-    tail_slots: SlotIndex  # [B * kv'] pool slots of the positions after the prefix, row after row
+    tail_slots: torch.Tensor  # [B * kv'] pool slots of the positions after the prefix, row after row
     # [B, 1, 1, kv'] float32 `PaddedKeys.mask` for those positions, additive (0 where seen, -inf where not): the
     # SDPA kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
     tail_mask: torch.Tensor
@@ -81,7 +80,7 @@ class PaddedKeys:
     """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
 
     # [B * kv] pool slots of every row's positions, row after row (padding: null); None with `runs`
-    slots: SlotIndex | None
+    slots: torch.Tensor | None
     mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
     # row attends from a view of the pool, with no copy (up to cache.step.ZERO_COPY_MAX_ROWS rows)
@@ -313,11 +312,11 @@ def _every_row_read(inputs: PagedAttentionInputs) -> tuple[list[torch.Tensor], l
     None for a plain pool, whose rows are gathered one by one (a copy either way)."""
     if inputs.keys.plain is not None:
         return None
-    row_keys = inputs.row_keys
-    sizes = [s.slots.shape[0] for s in row_keys.slots]
+    slots = inputs.row_keys.slots
+    every = torch.cat(slots)  # [sum of n_b]
+    sizes = [s.shape[0] for s in slots]
     # per row [H, n_b, D]
-    keys, values = inputs.keys.gather(row_keys.every), inputs.values.gather(row_keys.every)
-    return list(keys.split(sizes, dim=1)), list(values.split(sizes, dim=1))
+    return list(inputs.keys.gather(every).split(sizes, dim=1)), list(inputs.values.gather(every).split(sizes, dim=1))
 
 
 def _row_keys_and_values(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs, by_row
-from ..pool.kv_format import SlotIndex, StoredStates
+from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 from .step import StepIndex
 
@@ -51,7 +51,7 @@ def store_layer(
                 index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None),
             )
             return key_states, value_states
-        slots = index.read_index(offset)  # [B * kv], keys and values alike
+        slots = index.read_slots_from(offset)  # [B * kv], keys and values alike
         batch_size = key_states.shape[0]
         dense = gather(keys, slots, batch_size), gather(values, slots, batch_size)  # copies: safe once the lock is let go
     if index.new_from_states:  # a sliding window stores only the step's last tokens: new K/V as given
@@ -68,7 +68,7 @@ def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: StepIndex)
     storage.write(index.write_slots, new)
 
 
-def gather(storage: StoredStates, slots: torch.Tensor | SlotIndex, batch_size: int) -> torch.Tensor:
+def gather(storage: StoredStates, slots: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Dense ``[B, H, kv, D]`` K or V at `slots` ``[B * kv]`` (row after row), contiguous as `DynamicCache` holds
     them, so that any attention implementation takes them."""
     return by_row(storage.gather(slots), batch_size).contiguous()

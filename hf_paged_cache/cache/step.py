@@ -22,7 +22,6 @@ import torch
 
 from ..attention.block_attention import PaddedKeys, QueryRows, RowKeys, SharedPrefix
 from ..errors import PoolExhaustedError
-from ..pool.kv_format import SlotIndex
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
 
@@ -75,7 +74,6 @@ class StepIndex:
     _row_keys: dict[int, RowKeys] = field(default_factory=dict)  # row_keys, per offset
     _queries: QueryRows | None = None
     _padded: dict[tuple[int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
-    _read_index: dict[int, SlotIndex] = field(default_factory=dict)  # read_index, per offset
 
     @property
     def pool_end(self) -> int:
@@ -85,13 +83,6 @@ class StepIndex:
     def read_slots_from(self, offset: int) -> torch.Tensor:
         """``[B * kv]`` pool slots of every row's positions ``offset:pool_end``, row after row (padding: null)."""
         return self.read_slots[:, offset : self.pool_end].reshape(-1)
-
-    def read_index(self, offset: int) -> SlotIndex:
-        """`read_slots_from(offset)` as a `SlotIndex`, made once per step for all layers alike."""
-        index = self._read_index.get(offset)
-        if index is None:
-            index = self._read_index[offset] = SlotIndex(self.read_slots_from(offset))
-        return index
 
     def row_keys(self, offset: int) -> RowKeys:
         """Each row's real keys in positions ``offset:pool_end``, as pool slots and positions (no padding).
@@ -109,8 +100,7 @@ class StepIndex:
                 spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
                 start += count
             keys = self._row_keys[offset] = RowKeys(
-                slots=[SlotIndex(row) for row in slots.split(counts)], every=SlotIndex(slots),
-                positions=list(positions.split(counts)), spans=spans,
+                slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans
             )
         return keys
 
@@ -137,7 +127,7 @@ class StepIndex:
                 runs = None
                 if views and window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
                     runs = consecutive_runs(self.read_slots[:, offset:], mask)
-                slots = self.read_index(offset) if runs is None else None  # [B * kv]
+                slots = self.read_slots_from(offset) if runs is None else None  # [B * kv]
                 padded = PaddedKeys(slots, mask[:, None, None, :], runs)
                 if runs is None and views and window is None and mask.device.type == "cpu":
                     padded.shared = self._shared_prefix(offset, mask)
@@ -156,7 +146,7 @@ class StepIndex:
         count = min(int(shared.int().cumprod(dim=0).sum()), slots.shape[1] - 1)
         if count < CASCADE_MIN_SHARED:
             return None
-        tail_slots = SlotIndex(self.read_slots_from(offset + count))  # [B * (kv - count)]
+        tail_slots = self.read_slots_from(offset + count)  # [B * (kv - count)]
         seen = mask[:, None, None, count:]  # [B, 1, 1, kv - count]
         tail_mask = torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
         return SharedPrefix(int(first), count, tail_slots, tail_mask)

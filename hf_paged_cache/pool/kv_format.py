@@ -186,47 +186,17 @@ class StoredStates:
         if scale is not None:
             self.scale.index_copy_(1, slots, scale)
 
-    def gather(self, slots: torch.Tensor | SlotIndex) -> torch.Tensor:
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """``[H, N, D]`` in `dtype`: every head at `slots` ``[N]`` (a copy)."""
-        index = slots if isinstance(slots, SlotIndex) else SlotIndex(slots)
-        rows = index.rows(self.num_heads, self.data.shape[1])  # [H * N]
-        elements = _select_rows(self.data, rows, self.num_heads)  # [H, N, D]
+        elements = self.data.index_select(1, slots)  # [H, N, D]
         if self.plain is not None:
             return elements
-        scale = None if self.scale is None else _select_rows(self.scale, rows, self.num_heads)  # [H, N, G, P]
+        scale = None if self.scale is None else self.scale.index_select(1, slots)  # [H, N, G, P]
         return self.format.decode(elements, scale, self.dtype)
 
     def run(self, first: int, count: int) -> torch.Tensor:
         """``[1, H, count, D]``: the `count` consecutive slots from `first`, a view of plain storage (no copy)."""
         return self.data[:, first : first + count].unsqueeze(0)
-
-
-class SlotIndex:
-    """Slots ``[N]`` to gather from head-major storage, with their rows in its ``[H * slots, ...]`` view.
-
-    A gather selects rows of that view: ``index_select`` along the first dimension splits the rows over the
-    intra-op threads, along the slot dimension it copies on one thread (measured on a 2-core CPU, 16 rows of
-    1,000 slots of a 3-head layer: 0.74 ms against 1.20 ms at two threads, both about 1.8 ms at one). Every
-    layer of a step reads the same slots from storage of the same shape, so the rows are made once per shape
-    and kept (making them costs about 20 us, more than the gather saves at one thread).
-    """
-
-    def __init__(self, slots: torch.Tensor):
-        self.slots = slots  # [N]
-        self._rows: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rows(self, heads: int, num_slots: int) -> torch.Tensor:
-        """``[H * N]``: head ``h``'s slot ``s`` at row ``h * num_slots + s``, head after head."""
-        rows = self._rows.get((heads, num_slots))
-        if rows is None:
-            starts = torch.arange(0, heads * num_slots, num_slots, device=self.slots.device)  # [H]
-            rows = self._rows[(heads, num_slots)] = (starts.unsqueeze(1) + self.slots).view(-1)
-        return rows
-
-
-def _select_rows(tensor: torch.Tensor, rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[H, N, ...]``: head-major `tensor` ``[H, S, ...]``, seen as ``[H * S, ...]`` (a view), at `rows` ``[H * N]``."""
-    return tensor.view(-1, *tensor.shape[2:]).index_select(0, rows).view(heads, -1, *tensor.shape[2:])
 
 
 def writable(tensor: torch.Tensor) -> torch.Tensor:
