@@ -46,19 +46,18 @@ def build_application(options: argparse.Namespace, chat_template: str | None = N
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
     )
     logging_config = LoggingConfig(log_level=options.log_level.upper(), enable_access_log=options.log_level == "debug")
-    board = PoolBoard.options(logging_config=logging_config, graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind()
+    every_deployment = {"logging_config": logging_config, "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
+    board = PoolBoard.options(**every_deployment).bind()
     engine = EngineReplica.options(
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": gpus},
         max_ongoing_requests=(options.max_running or 64) + options.max_waiting,  # the batcher queues the rest
         request_router_config=router,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
-        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
-        logging_config=logging_config,
+        **every_deployment,
     ).bind(options, board)
     return Ingress.options(max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
-                           graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
-                           logging_config=logging_config).bind(options, chat_template, engine, board)
+                           **every_deployment).bind(options, chat_template, engine, board)
 
 
 def app_builder(args: dict[str, str]) -> Any:
