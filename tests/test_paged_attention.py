@@ -150,3 +150,65 @@ def count_calls(monkeypatch, module, name: str) -> list[int]:
     original = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args: calls.append(1) or original(*args))
     return calls
+
+
+def _decode_index(read_slots: torch.Tensor, is_real: torch.Tensor) -> step_module.StepIndex:
+    length = read_slots.shape[1]
+    return step_module.StepIndex(torch.zeros(0, dtype=torch.long), None, read_slots, is_real, past_length=length - 1)
+
+
+def test_lead_runs_read_each_rows_consecutive_slots_and_gather_the_rest(monkeypatch):
+    monkeypatch.setattr(step_module, "LEAD_RUN_MIN", 3)
+    slots = torch.tensor([
+        [0, 0, 40, 41, 42, 43, 90, 91],  # left padding, a run of 4, then decoded keys elsewhere
+        [16, 17, 18, 60, 61, 62, 63, 70],  # a run of 3 from the first column
+        [0, 0, 0, 0, 0, 80, 81, 95],  # a run of 2: too short, read whole from the tail
+    ])
+    real = slots != 0
+    leads = _decode_index(slots, real).lead_runs(0)
+    assert leads.runs == [(40, 4), (16, 3), (80, 0)]
+    # the tails: the last 8 - 3 = 5 columns of every row, seen where real and after the row's run
+    assert leads.tail_slots.tolist() == slots[:, 3:].reshape(-1).tolist()
+    seen = leads.tail_mask[:, 0, 0] == 0
+    assert seen.tolist() == [
+        [False, False, False, True, True],
+        [True, True, True, True, True],
+        [False, False, True, True, True],
+    ]
+
+
+def test_a_run_never_takes_the_new_token(monkeypatch):
+    monkeypatch.setattr(step_module, "LEAD_RUN_MIN", 3)
+    slots = torch.tensor([[20, 21, 22, 23, 24], [30, 31, 32, 33, 50]])
+    leads = _decode_index(slots, torch.ones(2, 5, dtype=torch.bool)).lead_runs(0)
+    assert leads.runs == [(20, 4), (30, 4)]
+    assert leads.tail_slots.tolist() == [24, 50]
+
+
+def test_no_lead_runs_without_a_long_run_with_long_tails_or_outside_a_decode_step(monkeypatch):
+    monkeypatch.setattr(step_module, "LEAD_RUN_MIN", 3)
+    real = torch.ones(2, 6, dtype=torch.bool)
+    scattered = torch.tensor([[16, 40, 17, 41, 18, 42], [19, 43, 20, 44, 21, 45]])
+    assert _decode_index(scattered, real).lead_runs(0) is None
+    monkeypatch.setattr(step_module, "DECODE_MAX_PADDING", 1)
+    # one row's run is long, the other's is not: the other's whole row makes the tails 6 wide, 5 of them padding in
+    # the first row
+    mixed = torch.tensor([[16, 17, 18, 19, 20, 60], [30, 70, 31, 71, 32, 72]])
+    assert _decode_index(mixed, real).lead_runs(0) is None
+    prefill = step_module.StepIndex(torch.zeros(0, dtype=torch.long), None, mixed, real, past_length=4)
+    assert prefill.lead_runs(0) is None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
+def test_decode_from_lead_runs_matches_one_uncached_forward(monkeypatch, model_type):
+    # rows too padded for one batched call (row by row before): each row's prompt, in consecutive slots, is read
+    # from a view and only the decoded keys are gathered; soft-capping (gemma2) and sinks (gpt_oss) go row by
+    # row as before, and sliding layers attend all rows at once; the logits never change
+    monkeypatch.setattr(step_module, "DECODE_MAX_PADDING", 4)
+    monkeypatch.setattr(step_module, "LEAD_RUN_MIN", 4)
+    model = tiny_model(model_type)
+    set_paged_attention(model)
+    calls = count_calls(monkeypatch, block_attention, "_attend_lead_runs")
+    batch = ragged_batch([0, 7, 13], 40, seed=3)
+    assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
+    assert bool(calls) == (model_type in ("llama", "gemma3_text"))
