@@ -15,11 +15,7 @@ whole batch. When every row's keys fill consecutive slots (a row alone, whose bl
 fresh batch), each row attends instead from a strided view of the pool, with no copy at all. When the rows
 share their first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks),
 the shared keys are attended once for all rows from a view and only each row's own tail is gathered; the two
-partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention). When the rows carry too much
-padding for one padded call (a ragged batch), each row's leading run of consecutive slots (its prompt) is
-attended from a view, the rows' tails (the keys decoded since) are gathered together, and the two merge
-likewise (`LeadRuns`; a row without such a run is gathered whole with the tails). Attention that cannot
-merge partial softmaxes (soft-capping, sinks, dropout) still reads such a step row by row.
+partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention).
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
@@ -95,24 +91,6 @@ class PaddedKeys:
 
 
 @dataclass
-class LeadRuns:
-    """A decode step whose rows carry too much padding for one padded SDPA call, read without copying most keys.
-
-    Each row's keys begin with a run in consecutive slots (its prompt, prefilled into blocks that follow each
-    other) and end with a few blocks taken one by one while decoding. The run is attended from a view of the
-    pool (no copy), the tails of all rows are gathered into one padded ``[B, H, kv', D]`` block and attended
-    in one call, and each row's two partial softmaxes are merged by their log-sum-exp. A row without a run long
-    enough (``count == 0``) is read whole from its tail.
-    """
-
-    runs: list[tuple[int, int]]  # per row (first slot, count) of its leading run; count 0 = none
-    tail_slots: torch.Tensor  # [B * kv'] pool slots of the positions after each row's run, row after row
-    # [B, 1, 1, kv'] float32 additive mask of those positions (0 where the row's query sees the key, -inf where
-    # not: padding, or the row's run); built once per step for all layers
-    tail_mask: torch.Tensor
-
-
-@dataclass
 class PagedAttentionInputs:
     """What `paged_sdpa` needs to attend to one layer's keys and values in the pool."""
 
@@ -127,7 +105,6 @@ class PagedAttentionInputs:
     # (a sliding window longer step): `row_keys` then covers the past only and the new ones come from here
     new_states: tuple[torch.Tensor, torch.Tensor] | None = None
     padded: PaddedKeys | None = None  # set for a decode step (one real new token per row, keys all in the pool)
-    leads: LeadRuns | None = None  # set instead for such a step with much padding, whose rows start with runs
 
 
 @dataclass(frozen=True)
@@ -184,8 +161,6 @@ def attend_from_pool(
     """
     if inputs.padded is not None:
         return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout)
-    if inputs.leads is not None and softcap is None and sinks is None and dropout == 0.0:
-        return _attend_lead_runs(query, inputs, inputs.leads, scaling)
     batch_size, query_heads, query_length, _ = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -284,55 +259,11 @@ def _attend_cascade(
     )  # [1, H, B * g, Dv], [1, H, B * g]
     prefix_out = prefix_out.view(heads, batch_size, groups, -1).transpose(0, 1)  # [B, H, g, Dv]
     prefix_lse = prefix_lse.view(heads, batch_size, groups).transpose(0, 1)  # [B, H, g]
-    tail_out, tail_lse = _attend_tails(grouped, inputs, shared.tail_slots, shared.tail_mask, scale)
+    keys = by_row(inputs.keys.gather(shared.tail_slots), batch_size)  # [B, H, kv', D]
+    values = by_row(inputs.values.gather(shared.tail_slots), batch_size)  # [B, H, kv', Dv]
+    # [B, H, g, Dv], [B, H, g]
+    tail_out, tail_lse = _attention_with_lse(grouped, keys, values, shared.tail_mask, scale)
     return merge_attention(prefix_out, prefix_lse, tail_out, tail_lse)
-
-
-def _attend_lead_runs(
-    query: torch.Tensor, inputs: PagedAttentionInputs, leads: LeadRuns, scaling: float | None
-) -> torch.Tensor:
-    """``[B, 1, Hq, Dv]``: a decode step's attention, each row's leading run read from a view of the pool and
-    the rows' tails gathered together, merged by log-sum-exp (`LeadRuns`)."""
-    batch_size, query_heads, _, key_dim = query.shape
-    heads = inputs.num_kv_heads
-    groups = query_heads // heads
-    scale = scaling if scaling is not None else key_dim**-0.5
-    grouped = query.view(batch_size, heads, groups, key_dim)  # [B, H, g, D]: a row's g query heads per KV head
-    with inputs.lock.shared():
-        # [B, H, g, Dv], [B, H, g] each
-        run_out, run_lse = _attend_runs(grouped, inputs.keys, inputs.values, leads.runs, scale)
-        tail_out, tail_lse = _attend_tails(grouped, inputs, leads.tail_slots, leads.tail_mask, scale)
-    out = merge_attention(run_out, run_lse, tail_out, tail_lse)  # [B, H, g, Dv]
-    return out.reshape(batch_size, 1, query_heads, -1)
-
-
-def _attend_runs(
-    grouped: torch.Tensor, keys: StoredStates, values: StoredStates, runs: list[tuple[int, int]], scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's queries ``[B, H, g, D]`` over its run of consecutive slots (views): ``[B, H, g, Dv]`` and
-    the log-sum-exp ``[B, H, g]``; a row without a run gets zeros and -inf (no mass). Call with the lock held."""
-    outs, lses = [], []
-    for row, (first, count) in enumerate(runs):
-        if count:
-            run_keys, run_values = keys.run(first, count), values.run(first, count)  # [1, H, count, D]
-            out, lse = _attention_with_lse(grouped[row : row + 1], run_keys, run_values, None, scale)
-        else:
-            out = grouped.new_zeros(1, *grouped.shape[1:3], values.dim)
-            lse = torch.full((1, *grouped.shape[1:3]), float("-inf"), device=grouped.device)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
-
-
-def _attend_tails(
-    grouped: torch.Tensor, inputs: PagedAttentionInputs, slots: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's queries ``[B, H, g, D]`` over its tail, gathered from `slots` ``[B * kv']`` under the additive
-    `mask` ``[B, 1, 1, kv']``: ``[B, H, g, Dv]`` and the log-sum-exp ``[B, H, g]``. Call with the lock held."""
-    batch_size = grouped.shape[0]
-    keys = by_row(inputs.keys.gather(slots), batch_size)  # [B, H, kv', D]
-    values = by_row(inputs.values.gather(slots), batch_size)  # [B, H, kv', Dv]
-    return _attention_with_lse(grouped, keys, values, mask, scale)
 
 
 def _attention_with_lse(

@@ -45,12 +45,10 @@ def store_layer(
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
         if attention_kwargs is not None:
-            views = keys.plain is not None and values.plain is not None
-            padded = index.decode_keys(offset, window, views)
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
                 keys, values, keys.num_heads, index.row_keys(offset), index.queries(), window, lock,
-                (key_states, value_states) if index.new_from_states else None, padded,
-                index.lead_runs(offset) if padded is None and views and window is None else None,
+                (key_states, value_states) if index.new_from_states else None,
+                index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None),
             )
             return key_states, value_states
         slots = index.read_slots_from(offset)  # [B * kv], keys and values alike

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.block_attention import LeadRuns, PaddedKeys, QueryRows, RowKeys, SharedPrefix
+from ..attention.block_attention import PaddedKeys, QueryRows, RowKeys, SharedPrefix
 from ..errors import PoolExhaustedError
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, TablesSavepoint, slots_for_positions
@@ -61,17 +61,6 @@ the copy of the shared keys and values into every row: on SmolLM2-135M shapes (3
 """
 
 
-LEAD_RUN_MIN = 64
-"""Keys a row's leading run of consecutive slots must hold for a padded decode step (`LeadRuns`) to attend
-them from a view; a shorter run is gathered with the row's tail.
-
-A run costs one SDPA call of its own (about 20 us per layer) and saves gathering its keys and values. On
-SmolLM2-135M shapes (3 KV heads of 64, float32, 2-core AMD EPYC), 8 rows of 60 to 1,000 prompt keys and 32
-decoded ones attend in 867 us per layer from runs and one tail gather, against 975 us gathering each row
-(one thread; 931 against 1,264 us at two).
-"""
-
-
 @dataclass
 class StepIndex:
     """Where one forward's tokens go and where every position is read from, on one device."""
@@ -85,7 +74,6 @@ class StepIndex:
     _row_keys: dict[int, RowKeys] = field(default_factory=dict)  # row_keys, per offset
     _queries: QueryRows | None = None
     _padded: dict[tuple[int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
-    _leads: dict[int, LeadRuns | None] = field(default_factory=dict)  # lead_runs, per offset
 
     @property
     def pool_end(self) -> int:
@@ -121,8 +109,7 @@ class StepIndex:
 
         Positions ``offset:pool_end`` in the cache's column layout; the mask keeps real keys inside the window
         of the query at position ``L``. None too when the rows carry more than `DECODE_MAX_PADDING` padding
-        positions each on average: then reading runs and tails (`lead_runs`) or row by row, which skip padding,
-        is cheaper. Computed once per
+        positions each on average: then the per-row path, which skips padding, is cheaper. Computed once per
         step for all layers alike. `views`: whether the storage can be read as views (stored as the model computes).
         """
         if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
@@ -146,44 +133,6 @@ class StepIndex:
                     padded.shared = self._shared_prefix(offset, mask)
             self._padded[key] = padded
         return self._padded[key]
-
-    def lead_runs(self, offset: int) -> LeadRuns | None:
-        """For a decode step that `decode_keys` leaves to the per-row path (much padding), on a CPU pool read as
-        views and a layer without a window: each row's leading run of consecutive slots and the rows' tails
-        (`LeadRuns`), when some row has a run of at least `LEAD_RUN_MIN` keys and the tails carry no more than
-        `DECODE_MAX_PADDING` padding positions per row; else None. Computed once per step for all layers."""
-        if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
-            return None
-        if offset not in self._leads:
-            self._leads[offset] = self._lead_runs(offset)
-        return self._leads[offset]
-
-    def _lead_runs(self, offset: int) -> LeadRuns | None:
-        real = self.is_real[:, offset:]  # [B, kv]
-        slots = self.read_slots[:, offset:]  # [B, kv]
-        if real.device.type != "cpu" or not bool(real[:, -1].all()):
-            return None
-        batch_size, kv = real.shape
-        columns = torch.arange(kv, device=real.device)  # [kv]
-        first = real.int().argmax(dim=1)  # [B] each row's first real column
-        first_slot = slots.gather(1, first.unsqueeze(1))  # [B, 1]
-        consecutive = slots == first_slot + (columns - first.unsqueeze(1))  # [B, kv] where the run would be
-        in_run = (consecutive & real) | (columns < first.unsqueeze(1))  # [B, kv] padding before the row counts in
-        # [B] the run's end (exclusive), short of the last column: the new token stays in the tail
-        end = in_run.int().cumprod(dim=1).sum(dim=1).clamp(max=kv - 1)
-        counts = end - first
-        long_enough = counts >= LEAD_RUN_MIN
-        if not bool(long_enough.any()):
-            return None
-        end = torch.where(long_enough, end, first)  # a short run is read with the tail
-        width = kv - int(end.min())  # kv': the longest tail
-        tail_columns = columns[kv - width :]  # [kv']
-        seen = real[:, kv - width :] & (tail_columns >= end.unsqueeze(1))  # [B, kv']
-        if seen.numel() - int(seen.sum()) > DECODE_MAX_PADDING * batch_size:
-            return None
-        runs = list(zip(first_slot.squeeze(1).tolist(), (end - first).tolist()))
-        tail_mask = torch.zeros(batch_size, 1, 1, width).masked_fill_(~seen[:, None, None, :], float("-inf"))
-        return LeadRuns(runs, slots[:, kv - width :].reshape(-1), tail_mask)
 
     def _shared_prefix(self, offset: int, mask: torch.Tensor) -> SharedPrefix | None:
         """The decode step's keys from `offset` that every row reads from the same consecutive slots, when
