@@ -90,21 +90,56 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     assert_pieces_match_one_forward(model, batch, [(start, start + 16) for start in range(0, 48, 16)], num_blocks=32)
 
 
-@pytest.mark.parametrize("max_padding, batched", [(step_module.DECODE_MAX_PADDING, True), (4, False)])
+@pytest.mark.parametrize("call_cost, most_groups", [(step_module.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
-def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, max_padding, batched):
+def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups):
     # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
-    # gpt_oss): the logits of one plain forward, whether the rows' mean padding (6.7 positions) lets the
-    # full-attention layers' decode steps attend all rows at once or sends them row by row
-    monkeypatch.setattr(step_module, "DECODE_MAX_PADDING", max_padding)
+    # gpt_oss): the logits of one plain forward, whether the full-attention layers' decode steps attend the
+    # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row
+    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
     model = tiny_model(model_type)
     set_paged_attention(model)
     calls = count_calls(monkeypatch, block_attention, "_attend_decode")
+    grouping = []
+    original = step_module.length_groups
+    monkeypatch.setattr(step_module, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
-    # row by row, the sliding layers still attend all rows at once: their last 12 columns hold little padding
-    sliding = sum(kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or [])
-    assert len(calls) == 20 * (model.config.num_hidden_layers if batched else sliding)
+    assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step, every layer
+    assert max(len(groups) for groups in grouping) == most_groups
+    # the sliding layers' rows all read their last 12 columns: one group whatever the cost
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+        assert min(len(groups) for groups in grouping) == 1
+
+
+def _grouping_cost(lengths: list[int], groups: list[list[int]], call_cost: int) -> int:
+    return sum(len(rows) * max(lengths[row] for row in rows) + call_cost for rows in groups)
+
+
+def _every_grouping(rows: list[int]):
+    """Every way to split `rows` into groups (set partitions)."""
+    if not rows:
+        yield []
+        return
+    first, rest = rows[0], rows[1:]
+    for grouping in _every_grouping(rest):
+        yield [[first], *grouping]
+        for i in range(len(grouping)):
+            yield [*grouping[:i], sorted([first, *grouping[i]]), *grouping[i + 1 :]]
+
+
+def test_length_groups_finds_the_cheapest_grouping():
+    assert step_module.length_groups([1000, 60, 150, 1000], 0) == [[1], [2], [0, 3]]
+    assert step_module.length_groups([1000, 60, 150, 1000], 10_000) == [[0, 1, 2, 3]]
+    assert step_module.length_groups([5], 256) == [[0]]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(30):  # against every set partition of up to 6 rows
+        lengths = torch.randint(1, 400, (int(torch.randint(1, 7, (1,), generator=generator)),), generator=generator)
+        lengths, call_cost = lengths.tolist(), int(torch.randint(0, 300, (1,), generator=generator))
+        groups = step_module.length_groups(lengths, call_cost)
+        assert sorted(row for rows in groups for row in rows) == list(range(len(lengths)))
+        cheapest = min(_grouping_cost(lengths, g, call_cost) for g in _every_grouping(list(range(len(lengths)))))
+        assert _grouping_cost(lengths, groups, call_cost) == cheapest
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])

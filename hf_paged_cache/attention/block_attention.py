@@ -8,14 +8,16 @@ the keys and values of its real tokens only (one gather each by slot: the pool i
 contiguous heads) and runs SDPA on them, with the grouped query heads folded into the query rows of their
 key/value head.
 
-A decode step (one new token per row, all real) is the exception: there a per-row loop costs more than it
-saves (two gathers and one SDPA call per row and layer), so every row's keys are gathered in one padded
-``[B, H, kv, D]`` block (`PaddedKeys`, the cache's own column layout) and one masked SDPA call serves the
-whole batch. When every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a
-fresh batch), each row attends instead from a strided view of the pool, with no copy at all. When the rows
-share their first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks),
-the shared keys are attended once for all rows from a view and only each row's own tail is gathered; the two
-partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention).
+A decode step (one new token per row, all real) is the exception: there a loop over rows costs more than it
+saves (two gathers and one SDPA call per row and layer), and one padded call over all rows attends over the
+padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
+keys are gathered padded to its longest row (all groups' in one gather) and attended in one masked SDPA call,
+the grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`). When
+every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a fresh batch),
+each row attends instead from a strided view of the pool, with no copy at all. When the rows share their
+first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks), the shared
+keys are attended once for all rows from a view and only each row's own tail is gathered; the two partial
+softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention).
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
@@ -70,23 +72,34 @@ class SharedPrefix:
     first: int
     count: int
     tail_slots: torch.Tensor  # [B * kv'] pool slots of the positions after the prefix, row after row
-    # [B, 1, 1, kv'] float32 `PaddedKeys.mask` for those positions, additive (0 where seen, -inf where not): the
-    # SDPA kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
+    # [B, 1, 1, kv'] float32 mask for those positions, additive (0 where seen, -inf where not): the SDPA
+    # kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
     tail_mask: torch.Tensor
 
 
 @dataclass
-class PaddedKeys:
-    """Every row's keys in the cache's padded column layout, for a decode step's single batched SDPA call."""
+class KeyGroup:
+    """Rows of a decode step attended in one SDPA call, over their last `length` key positions (the cache's
+    column layout: a shorter row's first ones are padding, masked)."""
 
-    # [B * kv] pool slots of every row's positions, row after row (padding: null); None with `runs`
+    rows: torch.Tensor | None  # [n] which rows of the step, ascending; None = all of them, as one group
+    length: int  # kv: the key positions read for each of its rows
+    mask: torch.Tensor | None  # [n, 1, 1, kv] True where the row's one query sees the key; None = it sees all
+
+
+@dataclass
+class PaddedKeys:
+    """A decode step's keys for batched SDPA calls: rows grouped by length, each group's keys padded to its longest."""
+
+    # [sum of n * kv over groups] pool slots of every group's positions, group after group, row after row
+    # (padding: null); None with `runs`
     slots: torch.Tensor | None
-    mask: torch.Tensor  # [B, 1, 1, kv] True where the row's one query sees the key (real, inside the window)
+    groups: list[KeyGroup]  # empty with `runs`
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
     # row attends from a view of the pool, with no copy (up to cache.step.ZERO_COPY_MAX_ROWS rows)
     runs: list[tuple[int, int]] | None = None
-    # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `mask` stay whole, for
-    # attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
+    # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `groups` stay whole,
+    # for attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
     shared: SharedPrefix | None = None
 
 
@@ -214,7 +227,8 @@ def _attend_decode(
     sinks: torch.Tensor | None,
     dropout: float,
 ) -> torch.Tensor:
-    """One new token per row: all rows at once over their padded keys; returns ``[B, 1, Hq, Dv]``."""
+    """One new token per row: each group of rows at once over its padded keys (or views, or the cascade);
+    returns ``[B, 1, Hq, Dv]``."""
     batch_size, query_heads, _, key_dim = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -239,10 +253,19 @@ def _attend_decode(
         if padded.shared is not None and softcap is None and sinks is None and dropout == 0.0:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
-        keys = by_row(inputs.keys.gather(padded.slots), batch_size)  # [B, H, kv, D]
-        values = by_row(inputs.values.gather(padded.slots), batch_size)  # [B, H, kv, Dv]
-    out = attend(grouped, keys, values, padded.mask)  # [B, H, g, Dv]
-    return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
+        keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
+        values = inputs.values.gather(padded.slots)  # [H, N, Dv]
+    if padded.groups[0].rows is None:  # one group of every row
+        out = attend(grouped, by_row(keys, batch_size), by_row(values, batch_size), padded.groups[0].mask)
+        return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
+    out = grouped.new_empty(batch_size, heads, groups, values.shape[-1])  # [B, H, g, Dv]
+    sizes = [len(group.rows) * group.length for group in padded.groups]
+    for group, group_keys, group_values in zip(padded.groups, keys.split(sizes, 1), values.split(sizes, 1)):
+        rows = len(group.rows)
+        # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys
+        group_out = attend(grouped[group.rows], by_row(group_keys, rows), by_row(group_values, rows), group.mask)
+        out.index_copy_(0, group.rows, group_out)
+    return out.reshape(batch_size, 1, query_heads, -1)
 
 
 def _attend_cascade(
