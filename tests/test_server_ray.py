@@ -112,8 +112,9 @@ def test_a_replica_killed_mid_stream_fails_its_requests_and_the_others_go_on(ray
             outcomes[i] = ("failed", received, str(error))
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-    for thread in threads:
+    for thread in threads:  # spaced, so that the router sees each replica's queue (published twice a second)
         thread.start()
+        time.sleep(0.6)
     running = _wait_for(lambda: _running(ray_server) if sum(_running(ray_server).values()) == 4 else None, 30)
     victim = max(running, key=running.get)
     assert 0 < running[victim] < 4, running  # both replicas have streams: the survivor's must finish
