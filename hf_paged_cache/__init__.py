@@ -1,6 +1,12 @@
 """A paged KV cache for Hugging Face transformers: `PagedCache` drops into `model.generate`."""
 
-from .attention import ATTENTION_NAME, paged_sdpa_attention, register_paged_attention, set_paged_attention
+from .attention import (
+    ATTENTION_NAME,
+    BMM_ATTENTION_NAME,
+    paged_sdpa_attention,
+    register_paged_attention,
+    set_paged_attention,
+)
 from .cache import CacheStats, GroupStats, PagedCache
 from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
@@ -10,6 +16,7 @@ register_paged_attention()
 
 __all__ = [
     "ATTENTION_NAME",
+    "BMM_ATTENTION_NAME",
     "BatcherClosed",
     "BatcherStats",
     "BlockPool",

@@ -10,7 +10,9 @@ Scenarios (``--modes``), each on ragged left-padded batches of the seeded ShareG
   requests (the same seed before every run).
 
 Variants (``--variants``): ``dynamic`` (DynamicCache, the model's attention, sdpa by default), ``paged``
-(PagedCache, same attention) and ``paged_sdpa`` (PagedCache with ``set_paged_attention``). Each scenario
+(PagedCache, same attention), ``paged_sdpa`` (PagedCache with ``set_paged_attention``) and ``paged_bmm``
+(the same with ``decode_by_products=True``: float32 decode steps by batched products; not in the default
+list). Each scenario
 first runs every variant once with ``--warmup-tokens`` new tokens (not timed), then ``--repeats`` rounds
 of D, P, P_sdpa, D, P, ... so that slow drifts of a shared machine hit all variants alike.
 
@@ -82,7 +84,8 @@ from hf_paged_cache.bench import (
     write_json,
 )
 
-VARIANTS = ("dynamic", "paged", "paged_sdpa")
+VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm")
+DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm when asked: it is not the library's default
 MODES = ("greedy", "beam", "sample")
 
 
@@ -116,7 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per scenario (default: 3)")
     parser.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up runs (default: 4)")
     parser.add_argument("--modes", default="greedy,beam,sample", help="scenarios to run (default: greedy,beam,sample)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="caches to compare (default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"caches to compare, from {','.join(VARIANTS)} (default: %(default)s)")
     parser.add_argument("--num-beams", type=int, default=4, help="beams of the beam scenario (default: 4)")
     parser.add_argument("--beam-batch-size", type=int, default=8, help="prompts of the beam scenario (default: 8)")
     parser.add_argument(
@@ -170,10 +174,10 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 @contextlib.contextmanager
 def attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
-    """Run the block with ``paged_sdpa`` for the ``paged_sdpa`` variant, the model's own attention otherwise."""
+    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention otherwise."""
     original = model.config._attn_implementation
-    if variant == "paged_sdpa":
-        set_paged_attention(model)
+    if variant in ("paged_sdpa", "paged_bmm"):
+        set_paged_attention(model, decode_by_products=variant == "paged_bmm")
     try:
         yield
     finally:

@@ -24,6 +24,7 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
   so ``ours / batcher`` is what HTTP costs;
 - ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
   as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
+- ``ours-bmm`` (not in the default list): ``ours`` with ``--bmm-decode`` (the ``paged_bmm`` attention);
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
   ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
@@ -149,7 +150,10 @@ from hf_paged_cache.models import ensure_offline_default_model, load_model_and_t
 from hf_paged_cache.pool.block_pool import block_keys
 from hf_paged_cache.serving.heap import pad_heap
 
-CONTENDERS = ("ours", "transformers", "batcher", "ours-stock", "vllm", "ray-prefix", "ray-pow2", "ray-single")
+CONTENDERS = (
+    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "vllm", "ray-prefix", "ray-pow2", "ray-single",
+)
+OUR_SERVERS = ("ours", "ours-stock", "ours-bmm")
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
 STATS_SETTLE_S = 1.5  # Ray replicas post their pool stats every 0.5 s, and the ingress reads them as often
@@ -290,7 +294,7 @@ class Round:
 def request_body(contender: str, job: Job) -> dict[str, Any]:
     """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
     body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
-    if contender in ("ours", "ours-stock", "vllm", *RAY_CONTENDERS):
+    if contender in (*OUR_SERVERS, "vllm", *RAY_CONTENDERS):
         return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
     # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's
@@ -397,11 +401,11 @@ class ServerSettings:
                     "--ray", "--replicas", str(replicas), "--replica-cpus", "0",
                     "--replica-threads", str(max(1, self.threads // replicas)),
                     "--router", "pow2" if contender == "ray-pow2" else "prefix"]
-        if contender in ("ours", "ours-stock"):
-            stock = ["--no-packed-linears"] if contender == "ours-stock" else []
+        if contender in OUR_SERVERS:
+            flags = {"ours": [], "ours-stock": ["--no-packed-linears"], "ours-bmm": ["--bmm-decode"]}[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
                     self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
-                    *stock]
+                    *flags]
         if contender == "vllm":
             return [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                     "--served-model-name", Path(self.model_path).name, "--dtype", self.dtype,

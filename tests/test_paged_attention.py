@@ -90,16 +90,18 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     assert_pieces_match_one_forward(model, batch, [(start, start + 16) for start in range(0, 48, 16)], num_blocks=32)
 
 
+@pytest.mark.parametrize("by_products", [False, True], ids=["paged_sdpa", "paged_bmm"])
 @pytest.mark.parametrize("call_cost, most_groups", [(step_module.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
-def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups):
+def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups, by_products):
     # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
     # gpt_oss): the logits of one plain forward, whether the full-attention layers' decode steps attend the
-    # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row
+    # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row, by SDPA or by products
     monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
     model = tiny_model(model_type)
-    set_paged_attention(model)
+    set_paged_attention(model, decode_by_products=by_products)
     calls = count_calls(monkeypatch, block_attention, "_attend_decode")
+    products = count_calls(monkeypatch, block_attention, "product_attention")
     grouping = []
     original = step_module.length_groups
     monkeypatch.setattr(step_module, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
@@ -107,9 +109,34 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step, every layer
     assert max(len(groups) for groups in grouping) == most_groups
+    # paged_bmm: float32 groups by batched products, unless soft-capping or sinks need the explicit softmax
+    assert bool(products) == (by_products and model_type in ("llama", "gemma3_text"))
     # the sliding layers' rows all read their last 12 columns: one group whatever the cost
     if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
         assert min(len(groups) for groups in grouping) == 1
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_product_attention_matches_sdpa(groups):
+    # 5 rows of 1 to 9 seen keys (left padding masked), 2 key/value heads of `groups` query heads each
+    generator = torch.Generator().manual_seed(groups)
+    rows, heads, length, dim = 5, 2, 9, 8
+    query = torch.randn(rows, heads, groups, dim, generator=generator)
+    keys = torch.randn(heads, rows, length, dim, generator=generator)
+    values = torch.randn(heads, rows, length, dim + 2, generator=generator)
+    seen = torch.arange(length) >= torch.tensor([8, 0, 3, 5, 0]).unsqueeze(1)  # [n, kv]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=seen[:, None, None, :], scale=0.3
+    )  # [n, H, g, Dv]
+    got = block_attention.product_attention(
+        query, keys.reshape(-1, dim), values.reshape(-1, dim + 2), seen[:, None, None, :], 0.3
+    )
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    unmasked = block_attention.product_attention(query, keys.reshape(-1, dim), values.reshape(-1, dim + 2), None, 0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.transpose(0, 1), values.transpose(0, 1), scale=0.3
+    )
+    torch.testing.assert_close(unmasked, expected, atol=1e-6, rtol=1e-6)
 
 
 def _grouping_cost(lengths: list[int], groups: list[list[int]], call_cost: int) -> int:

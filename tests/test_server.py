@@ -350,6 +350,23 @@ def test_stock_linears_on_request_equal_the_stock_model(model_dir, tmp_path):
     assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
 
 
+def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
+    """``--bmm-decode`` serves on ``paged_bmm``: decode steps by batched products, answers of the asked length."""
+    from hf_paged_cache.attention import block_attention
+    from hf_paged_cache.serve import build_parser, load_batcher
+
+    products = []
+    original = block_attention.product_attention
+    monkeypatch.setattr(block_attention, "product_attention", lambda *args: products.append(1) or original(*args))
+    batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--bmm-decode"]))
+    with batcher:
+        assert batcher.model.config._attn_implementation == "paged_bmm"
+        prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
+        answers = batcher.generate(prompts, max_new_tokens=12, min_new_tokens=12)
+    assert [len(answer) for answer in answers] == [12, 12, 12]
+    assert products  # the rows' blocks interleave as they grow: their decode steps attend by products
+
+
 def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(model_dir, reference, tmp_path):
     """``--kv-dtype int8`` serves from an int8 pool: greedy answers equal `generate` with an int8 `PagedCache`."""
     model, tokenizer = reference

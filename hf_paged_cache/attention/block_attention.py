@@ -11,8 +11,10 @@ key/value head.
 A decode step (one new token per row, all real) is the exception: there a loop over rows costs more than it
 saves (two gathers and one SDPA call per row and layer), and one padded call over all rows attends over the
 padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
-keys are gathered padded to its longest row (all groups' in one gather) and attended in one masked SDPA call,
-the grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`). When
+keys are gathered padded to its longest row (all groups' in one gather) and attended in one masked call, the
+grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`): an SDPA
+call, or, with `decode_by_products` (``paged_bmm``), in float32, two batched matrix products and a softmax
+(`product_attention`), faster on CPUs at two threads but equal to SDPA only up to float32 rounding. When
 every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a fresh batch),
 each row attends instead from a strided view of the pool, with no copy at all. When the rows share their
 first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks), the shared
@@ -29,7 +31,7 @@ stored keys at positions ``k <= p`` (causal) and, on a sliding layer of window `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,25 @@ class PaddedKeys:
     # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `groups` stay whole,
     # for attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
     shared: SharedPrefix | None = None
+    # (heads, storage slots) -> `head_major_rows` of that storage: the same for every layer of the step
+    _head_major: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def head_major_rows(self, heads: int, capacity: int) -> torch.Tensor:
+        """``[H * N]``: the rows of a ``[H * capacity, D]`` view of ``[H, capacity, D]`` storage that hold every
+        group's keys, group after group and, within a group, head after head: so one ``index_select`` gives
+        each group's ``[H * n * kv, D]`` keys contiguous, a ready ``[H * n, kv, D]`` batch of matrices."""
+        key = (heads, capacity)
+        if key not in self._head_major:
+            offsets = torch.arange(heads, device=self.slots.device).unsqueeze(1) * capacity  # [H, 1]
+            parts = self.slots.split(self.group_sizes())  # per group [n * kv]
+            self._head_major[key] = torch.cat([(offsets + part).reshape(-1) for part in parts])  # [H * N]
+        return self._head_major[key]
+
+    def group_sizes(self) -> list[int]:
+        """Each group's ``n * kv`` slots in `slots`."""
+        if self.groups[0].rows is None:  # one group of every row
+            return [self.slots.shape[0]]
+        return [len(group.rows) * group.length for group in self.groups]
 
 
 @dataclass
@@ -150,12 +171,14 @@ def attend_packed(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
+    decode_by_products: bool = False,
 ) -> torch.Tensor:
     """Attention of a packed `query` ``[1, Hq, T, D]``, each segment from its own rows; returns ``[1, T, Hq, Dv]``."""
     outs = []
     for span, inputs in zip(packed.spans, packed.inputs, strict=True):
         own = span.unpack(query).contiguous()  # [rows, Hq, length, D]
-        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout)  # [rows, length, Hq, Dv]
+        # [rows, length, Hq, Dv]
+        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout, decode_by_products)
         outs.append(out.reshape(1, span.rows * span.length, *out.shape[2:]))
     return torch.cat(outs, dim=1)
 
@@ -167,13 +190,15 @@ def attend_from_pool(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
+    decode_by_products: bool = False,
 ) -> torch.Tensor:
     """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
 
     Padding queries (new tokens that are padding) are not computed: their output is zero.
+    `decode_by_products`: a float32 decode step's groups of rows attend by `product_attention`, not SDPA.
     """
     if inputs.padded is not None:
-        return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout)
+        return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout, decode_by_products)
     batch_size, query_heads, query_length, _ = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -226,9 +251,10 @@ def _attend_decode(
     softcap: float | None,
     sinks: torch.Tensor | None,
     dropout: float,
+    by_products: bool,
 ) -> torch.Tensor:
     """One new token per row: each group of rows at once over its padded keys (or views, or the cascade);
-    returns ``[B, 1, Hq, Dv]``."""
+    returns ``[B, 1, Hq, Dv]``. `by_products`: float32 groups by `product_attention` (plain storage only)."""
     batch_size, query_heads, _, key_dim = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -250,22 +276,80 @@ def _attend_decode(
             ]  # [1, H, g, Dv] each
             out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
-        if padded.shared is not None and softcap is None and sinks is None and dropout == 0.0:
+        plain = softcap is None and sinks is None and dropout == 0.0
+        if padded.shared is not None and plain:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
-        keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
-        values = inputs.values.gather(padded.slots)  # [H, N, Dv]
+        key_storage, value_storage = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
+        by_products = by_products and plain and query.dtype == torch.float32
+        by_products = by_products and key_storage is not None and value_storage is not None
+        if by_products:
+            keys, values = _gather_head_major(key_storage, padded), _gather_head_major(value_storage, padded)
+        else:
+            keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
+            values = inputs.values.gather(padded.slots)  # [H, N, Dv]
+    if by_products:
+        return _attend_by_products(grouped, keys, values, padded, scale).reshape(batch_size, 1, query_heads, -1)
     if padded.groups[0].rows is None:  # one group of every row
         out = attend(grouped, by_row(keys, batch_size), by_row(values, batch_size), padded.groups[0].mask)
         return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
     out = grouped.new_empty(batch_size, heads, groups, values.shape[-1])  # [B, H, g, Dv]
-    sizes = [len(group.rows) * group.length for group in padded.groups]
+    sizes = padded.group_sizes()
     for group, group_keys, group_values in zip(padded.groups, keys.split(sizes, 1), values.split(sizes, 1)):
         rows = len(group.rows)
         # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys
         group_out = attend(grouped[group.rows], by_row(group_keys, rows), by_row(group_values, rows), group.mask)
         out.index_copy_(0, group.rows, group_out)
     return out.reshape(batch_size, 1, query_heads, -1)
+
+
+def _gather_head_major(storage: torch.Tensor, padded: PaddedKeys) -> torch.Tensor:
+    """``[H * N, D]``: every group's keys (or values) from ``[H, slots, D]`` storage, group after group, each
+    group's ``[H, n, kv, D]`` contiguous (`PaddedKeys.head_major_rows`); a copy."""
+    heads, capacity, dim = storage.shape
+    return storage.view(heads * capacity, dim).index_select(0, padded.head_major_rows(heads, capacity))
+
+
+def _attend_by_products(
+    grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padded: PaddedKeys, scale: float
+) -> torch.Tensor:
+    """``[B, H, g, Dv]``: a decode step's groups of rows, each by `product_attention` over its keys and values
+    in `keys` ``[H * N, D]`` and `values` ``[H * N, Dv]`` (`_gather_head_major`)."""
+    if padded.groups[0].rows is None:  # one group of every row
+        return product_attention(grouped, keys, values, padded.groups[0].mask, scale)
+    out = grouped.new_empty(*grouped.shape[:3], values.shape[-1])  # [B, H, g, Dv]
+    heads = grouped.shape[1]
+    sizes = [heads * size for size in padded.group_sizes()]
+    for group, group_keys, group_values in zip(padded.groups, keys.split(sizes), values.split(sizes)):
+        group_out = product_attention(grouped[group.rows], group_keys, group_values, group.mask, scale)  # [n, H, g, Dv]
+        out.index_copy_(0, group.rows, group_out)
+    return out
+
+
+def product_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``[n, H, g, Dv]``: softmax attention of one query token per row by two batched matrix products.
+
+    SDPA's CPU kernel multiplies the few query rows of each (row, head) by blocks of keys in small products,
+    rescaling as it goes; ``bmm`` runs all (row, head) pairs as one batch, which two threads share better.
+    Float32 results equal SDPA's up to summation order (about 3e-7 on attention outputs), not bit for bit.
+
+    Args:
+        query: ``[n, H, g, D]``, the `g` query heads sharing key/value head `h` as rows of it.
+        keys: ``[H * n * kv, D]`` (head, then row, then position); values: ``[H * n * kv, Dv]`` likewise.
+        mask: ``[n, 1, 1, kv]`` True where the row's query sees the key (at least one), or None for all.
+    """
+    rows, heads, groups, dim = query.shape
+    keys = keys.view(heads * rows, -1, dim)  # [H * n, kv, D]
+    length = keys.shape[1]
+    scaled = (query * scale).transpose(0, 1).reshape(heads * rows, groups, dim)  # [H * n, g, D]
+    scores = torch.bmm(scaled, keys.transpose(1, 2))  # [H * n, g, kv]
+    if mask is not None:
+        scores.view(heads, rows, groups, length).masked_fill_(~mask.view(1, rows, 1, length), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.bmm(weights, values.view(heads * rows, length, -1))  # [H * n, g, Dv]
+    return out.view(heads, rows, groups, -1).transpose(0, 1)
 
 
 def _attend_cascade(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention.paged_sdpa import ATTENTION_NAME
+from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, RowsView, slots_for_positions
 from .inputs import PendingInputs
@@ -110,7 +110,7 @@ class PagedBatch:
                     thread=threading.get_ident(), commit_at_end=hooked)
         self.is_real = is_real
         # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
-        step.from_pool = attention == ATTENTION_NAME and not self.pool.layout.latent
+        step.from_pool = attention in PAGED_ATTENTION_NAMES and not self.pool.layout.latent
         self.step = step
         return step
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..attention import ATTENTION_NAME, set_paged_attention
+from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.paged_cache import PagedCache
 from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
@@ -71,7 +71,8 @@ class ContinuousBatcher:
 
     Args:
         model: a decoder-only transformers model; it is switched to ``paged_sdpa`` attention when its
-            architecture allows (`set_paged_attention`), which keeps results exact.
+            architecture allows (`set_paged_attention`), which keeps results exact (a model on ``paged_bmm``
+            keeps it).
         pool: a `KVPool` to share (else a new one of `num_blocks` / `max_memory`, or elastic with neither).
         block_size: tokens per block of a new pool.
         kv_dtype: how a new pool stores keys and values (`PagedCache`'s `kv_dtype`: ``"int8"``, say, holds
@@ -110,7 +111,7 @@ class ContinuousBatcher:
         kv_dtype: str | torch.dtype | None = None,
     ):
         self.model = model
-        if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
             try:
                 set_paged_attention(model)
             except NotImplementedError:

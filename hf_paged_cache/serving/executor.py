@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from ..attention import ATTENTION_NAME
+from ..attention import PAGED_ATTENTION_NAMES
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from .packed import PackingUnsupported, Segment, packed_forward
@@ -45,7 +45,7 @@ class StepExecutor:
 
     def __init__(self, model: PreTrainedModel, pack_steps: bool = True):
         self.model = model
-        self.pack_steps = pack_steps and model.config._attn_implementation == ATTENTION_NAME
+        self.pack_steps = pack_steps and model.config._attn_implementation in PAGED_ATTENTION_NAMES
         self.packed_steps = 0  # steps run as one packed forward so far
 
     def run(self, plan: StepPlan) -> StepResult:
