@@ -10,10 +10,9 @@ Scenarios (``--modes``), each on ragged left-padded batches of the seeded ShareG
   requests (the same seed before every run).
 
 Variants (``--variants``): ``dynamic`` (DynamicCache, the model's attention, sdpa by default), ``paged``
-(PagedCache, same attention), ``paged_sdpa`` (PagedCache with ``set_paged_attention``) and ``paged_bmm``
-(the same with ``decode_by_products=True``: float32 decode steps by batched products; not in the default
-list). Each scenario
-first runs every variant once with ``--warmup-tokens`` new tokens (not timed), then ``--repeats`` rounds
+(PagedCache, same attention), ``paged_sdpa`` (PagedCache with ``set_paged_attention``) and, when asked,
+``paged_bmm`` (the same with ``decode_by_products=True``: float32 decode steps by batched products). Each
+scenario first runs every variant once with ``--warmup-tokens`` new tokens (not timed), then ``--repeats`` rounds
 of D, P, P_sdpa, D, P, ... so that slow drifts of a shared machine hit all variants alike.
 
 Timing (CUDA is synchronized around every timestamp): a pass-through logits processor (`StepClock`)
@@ -61,6 +60,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
 from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache.attention import BMM_ATTENTION_NAME, PAGED_ATTENTION_NAMES
 from hf_paged_cache.serving.heap import pad_heap
 from hf_paged_cache.bench import (
     StepClock,
@@ -176,8 +176,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 def attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
     """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention otherwise."""
     original = model.config._attn_implementation
-    if variant in ("paged_sdpa", "paged_bmm"):
-        set_paged_attention(model, decode_by_products=variant == "paged_bmm")
+    if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
+        set_paged_attention(model, decode_by_products=variant == BMM_ATTENTION_NAME)
     try:
         yield
     finally:

@@ -352,12 +352,12 @@ def test_stock_linears_on_request_equal_the_stock_model(model_dir, tmp_path):
 
 def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
     """``--bmm-decode`` serves on ``paged_bmm``: decode steps by batched products, answers of the asked length."""
+    from test_paged_attention import count_calls
+
     from hf_paged_cache.attention import block_attention
     from hf_paged_cache.serve import build_parser, load_batcher
 
-    products = []
-    original = block_attention.product_attention
-    monkeypatch.setattr(block_attention, "product_attention", lambda *args: products.append(1) or original(*args))
+    products = count_calls(monkeypatch, block_attention, "product_attention")
     batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--bmm-decode"]))
     with batcher:
         assert batcher.model.config._attn_implementation == "paged_bmm"

@@ -281,8 +281,10 @@ def _attend_decode(
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
         key_storage, value_storage = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
-        by_products = by_products and plain and query.dtype == torch.float32
-        by_products = by_products and key_storage is not None and value_storage is not None
+        by_products = (
+            by_products and plain and query.dtype == torch.float32
+            and key_storage is not None and value_storage is not None
+        )
         if by_products:
             keys, values = _gather_head_major(key_storage, padded), _gather_head_major(value_storage, padded)
         else:
