@@ -146,6 +146,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 from hf_paged_cache.kernels import pack_linears
+from hf_paged_cache.serving.steps import StepTimes
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
 from hf_paged_cache.serving.heap import pad_heap
@@ -289,6 +290,7 @@ class Round:
     streams: list[Stream]
     startup_seconds: float | None = None  # server process started to /health answering
     prefix_hit_tokens: float | None = None  # prompt tokens served from the prefix cache (ours, from /metrics)
+    steps: dict[str, float] | None = None  # batcher: where its steps' time went (`step_split`)
 
 
 def request_body(contender: str, job: Job) -> dict[str, Any]:
@@ -535,7 +537,25 @@ def run_batcher_round(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                       warmup: list[Job], budget: int, concurrency: int) -> Round:
     with ContinuousBatcher(model, max_memory=budget) as batcher:
         drive_batcher(batcher, tokenizer, warmup, concurrency)
-        return drive_batcher(batcher, tokenizer, jobs, concurrency)
+        before = batcher.stats().steps
+        timed = drive_batcher(batcher, tokenizer, jobs, concurrency)
+        timed.steps = step_split(before, batcher.stats().steps)
+        return timed
+
+
+def step_split(before: StepTimes, after: StepTimes) -> dict[str, float]:
+    """Where the batcher's steps between two `stats().steps` spent their time: decode steps (running rows only)
+    and prompt steps (prompt chunks, with the running rows when packed)."""
+    decode_steps, decode_seconds = after.decode_steps - before.decode_steps, after.decode_seconds - before.decode_seconds
+    prompt_tokens, prompt_seconds = after.prompt_tokens - before.prompt_tokens, after.prompt_seconds - before.prompt_seconds
+    return {
+        "decode_steps": decode_steps, "decode_seconds": decode_seconds,
+        "decode_share": decode_seconds / (decode_seconds + prompt_seconds),
+        "decode_step_ms": 1e3 * decode_seconds / decode_steps if decode_steps else None,
+        "decode_rows_mean": (after.decode_rows - before.decode_rows) / decode_steps if decode_steps else None,
+        "prompt_steps": after.prompt_steps - before.prompt_steps, "prompt_seconds": prompt_seconds,
+        "prompt_ms_per_token": 1e3 * prompt_seconds / prompt_tokens,
+    }
 
 
 def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
@@ -556,6 +576,7 @@ def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
         "startup_seconds": timed.startup_seconds,
         "prefix_hit_rate": (None if timed.prefix_hit_tokens is None
                             else timed.prefix_hit_tokens / sum(len(j.prompt_ids) for j in jobs)),
+        "steps": timed.steps,
     }
 
 
@@ -665,6 +686,14 @@ def print_report(results: dict[str, Any]) -> None:
           f"{results['threads']} threads; prefix hits at most {results['prefix_hit_ceiling']:.1%} "
           "(each shared block computed once)")
     print(format_table(rows, list(rows[0])))
+    for name, r in results["contenders"].items():
+        for i, m in enumerate(r["rounds"]):
+            steps = m["steps"]
+            if steps is not None and steps["decode_steps"]:
+                print(f"{name} round {i + 1}: decode steps {steps['decode_share']:.0%} of the step time "
+                      f"({steps['decode_steps']} steps, {steps['decode_step_ms']:.0f} ms and "
+                      f"{steps['decode_rows_mean']:.1f} rows each on average); prompt steps "
+                      f"{steps['prompt_ms_per_token']:.2f} ms per prompt token")
     for pair, count in results["identical_texts"].items():
         ratio = results["speed_ratios"][pair]
         rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])

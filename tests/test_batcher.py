@@ -82,6 +82,22 @@ def test_unpacked_steps_give_the_same_tokens(model_type, pack_steps):
     assert_pool_empty(batcher)
 
 
+def test_stats_count_every_step_and_its_time():
+    """Requests one after another: each computes its prompt in prompt steps of at most `max_step_tokens`, picking
+    its first token in the last, then each other token in a decode step of its own."""
+    model = tiny_model("llama")
+    work = requests(3, seed=4)
+    with ContinuousBatcher(model, block_size=4, max_step_tokens=16) as batcher:
+        assert batcher.stats().steps.prompt_steps == 0
+        for prompt, new in work:
+            batcher.submit(prompt, max_new_tokens=new, min_new_tokens=new).result(timeout=60)
+        steps = batcher.stats().steps
+    assert steps.prompt_tokens == sum(len(prompt) for prompt, _ in work)
+    assert steps.prompt_steps == sum(-(-len(prompt) // 16) for prompt, _ in work)
+    assert steps.decode_steps == steps.decode_rows == sum(new - 1 for _, new in work) > 0
+    assert steps.prompt_seconds > 0 and steps.decode_seconds > 0
+
+
 @pytest.mark.parametrize("reserve", [False, True])
 def test_a_small_pool_keeps_outputs_identical(reserve):
     """A pool too small for every request at once. Without reservation requests are computed again later (a

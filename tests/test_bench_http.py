@@ -70,6 +70,10 @@ def test_bench_http_fields(http_result: dict[str, Any], model_dir: Path) -> None
         assert len(c["texts"]) == 4 and c["texts_same_every_round"] == 4, name
     assert res["contenders"]["ours"]["rounds"][0]["startup_seconds"] > 0
     assert res["contenders"]["batcher"]["rounds"][0]["startup_seconds"] is None
+    # the batcher's timed round: its 4 prompts computed (no prefix in common), each other token in some step
+    steps = res["contenders"]["batcher"]["rounds"][0]["steps"]
+    assert 1 <= steps["prompt_steps"] <= 4 and steps["prompt_seconds"] > 0 and 0 <= steps["decode_share"] < 1
+    assert steps["decode_steps"] <= res["output_tokens"] - 4 and res["contenders"]["ours"]["rounds"][0]["steps"] is None
     assert res["identical_texts"] == {"ours/batcher": 4}  # both greedy and exact: the same answers
     assert res["speed_ratios"]["ours/batcher"]["per_round"] == [
         res["contenders"]["ours"]["tokens_per_s"] / res["contenders"]["batcher"]["tokens_per_s"]

@@ -674,6 +674,25 @@ def test_a_client_that_goes_away_cancels_its_request(server, client, reference):
     assert answer.choices[0].text == text_of(tokenizer, generate_alone(model, ids, 8))
 
 
+def test_metrics_count_the_batcher_steps(server, client):
+    """One request alone: its prompt tokens in prompt steps, then its other tokens one decode step each."""
+    def steps(text: str, kind: str) -> tuple[float, ...]:
+        label = f'kind="{kind}"'
+        return tuple(metric(text, "hf_paged_cache_" + name, label)
+                     for name in ("steps_total", "step_tokens_total", "step_seconds_total"))
+
+    before = metrics_text(server)
+    answer = client.completions.create(model=NAME, prompt="Steps, counted: 3 1 4 1 5 9 2 6", max_tokens=7,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    after = metrics_text(server)
+    (prompt_steps, prompt_tokens, prompt_seconds), (decode_steps, decode_tokens, decode_seconds) = (
+        tuple(b - a for a, b in zip(steps(before, kind), steps(after, kind))) for kind in ("prompt", "decode")
+    )
+    assert (prompt_steps, prompt_tokens) == (1, answer.usage.prompt_tokens)  # nothing of it cached before
+    assert decode_steps == decode_tokens == answer.usage.completion_tokens - 1 == 6
+    assert prompt_seconds > 0 and decode_seconds > 0
+
+
 def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(server):
     """Last: it stops the module's server."""
     body = {"model": NAME, "prompt": "Last words:", "max_tokens": 40, "temperature": 0, "stream": True}

@@ -31,6 +31,7 @@ from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
+from .steps import StepTimes
 from .validation import flat_token_ids
 
 DEFAULT_MAX_STEP_TOKENS = 512
@@ -64,6 +65,7 @@ class BatcherStats:
     packed_steps: int  # steps run as one packed forward
     prefix_hit_tokens: int  # prompt tokens taken from the pool's prefix cache instead of computed
     groups: tuple[GroupUsage, ...]
+    steps: StepTimes  # the steps run so far, and their time, by kind
 
 
 class ContinuousBatcher:
@@ -187,8 +189,8 @@ class ContinuousBatcher:
         return [handle.result() for handle in handles]
 
     def stats(self) -> BatcherStats:
-        """Requests by state (at the last step boundary), preemptions, packed steps, prefix hits, and each
-        layer group's blocks used and free. Safe from any thread."""
+        """Requests by state (at the last step boundary), preemptions, packed steps, prefix hits, each layer
+        group's blocks used and free, and the steps run and their time. Safe from any thread."""
         counts = self._scheduler.counts
         caches = [self._scheduler.running_cache, *(prefill.cache for prefill in list(self._scheduler.prefilling))]
         held = [cache.stats().groups for cache in caches]  # each cache's reads are safe from any thread
@@ -203,7 +205,7 @@ class ContinuousBatcher:
             finished=counts.finished, failed=counts.failed, cancelled=counts.cancelled,
             preemptions=counts.preemptions, prefill_retries=counts.prefill_retries,
             packed_steps=self._executor.packed_steps,
-            prefix_hit_tokens=counts.prefix_hit_tokens, groups=tuple(groups),
+            prefix_hit_tokens=counts.prefix_hit_tokens, groups=tuple(groups), steps=self._executor.times,
         )
 
     def close(self, timeout: float = 0.0) -> None:

@@ -21,6 +21,7 @@ fails alone and the others keep their tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,7 +34,7 @@ from ..errors import PoolExhaustedError
 from .packed import PackingUnsupported, Segment, packed_forward
 from .logprobs import token_logprobs
 from .request import Request
-from .steps import Chunk, StepPlan, StepResult
+from .steps import Chunk, StepPlan, StepResult, StepTimes
 
 T = TypeVar("T")
 ATTEMPTS = 2  # tries of each forward and token choice before a failure is taken to be the request's own
@@ -47,8 +48,16 @@ class StepExecutor:
         self.model = model
         self.pack_steps = pack_steps and model.config._attn_implementation in PAGED_ATTENTION_NAMES
         self.packed_steps = 0  # steps run as one packed forward so far
+        self.times = StepTimes()  # replaced whole after each step: any thread may read it
 
     def run(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        try:
+            return self._run(plan)
+        finally:
+            self.times = self.times.adding(plan, time.perf_counter() - start)
+
+    def _run(self, plan: StepPlan) -> StepResult:
         if self.pack_steps and plan.chunks and (plan.running or len(plan.chunks) > 1):
             result = StepResult()
             try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
@@ -46,3 +46,28 @@ class StepResult:
     failures: dict[Request, BaseException] = field(default_factory=dict)  # requests that fail, each alone
     exhausted: dict[Request, PoolExhaustedError] = field(default_factory=dict)  # chunks that found no blocks
     decode_exhausted: PoolExhaustedError | None = None  # the decode rows found no blocks (none ran)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """The steps a batcher ran and the wall time they took (forward, token choice and commit), by kind: decode
+    steps (running rows only) and prompt steps (prompt chunks, with the running rows when the step is packed)."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # rows of the decode steps, summed: the tokens they picked
+    decode_seconds: float = 0.0
+    prompt_steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens the prompt steps computed
+    prompt_seconds: float = 0.0
+
+    def adding(self, plan: StepPlan, seconds: float) -> StepTimes:
+        """These times and one more step, of `plan`, that took `seconds`."""
+        if plan.chunks:
+            return replace(
+                self, prompt_steps=self.prompt_steps + 1, prompt_seconds=self.prompt_seconds + seconds,
+                prompt_tokens=self.prompt_tokens + sum(len(chunk.tokens) for chunk in plan.chunks),
+            )
+        return replace(
+            self, decode_steps=self.decode_steps + 1, decode_seconds=self.decode_seconds + seconds,
+            decode_rows=self.decode_rows + len(plan.running),
+        )

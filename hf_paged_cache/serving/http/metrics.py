@@ -71,8 +71,12 @@ class BatcherCollector(Collector):
 
     Per layer group (labelled ``group`` when the model has several): ``blocks_total`` (the most blocks that can
     be held), ``blocks_used``, ``blocks_free``, ``blocks_cached`` (findable by prefix, held or free) and
-    ``kv_utilization`` (tokens stored / token slots of the blocks in use, 0 when none is). Then ``requests_running`` (prefilling or decoding), ``requests_waiting``,
-    and the batcher's counters ``prefix_cache_hit_tokens_total`` and ``preemptions_total``.
+    ``kv_utilization`` (tokens stored / token slots of the blocks in use, 0 when none is). Then
+    ``requests_running`` (prefilling or decoding), ``requests_waiting``, the batcher's counters
+    ``prefix_cache_hit_tokens_total`` and ``preemptions_total``, and its steps by ``kind`` (``decode``: running
+    rows only; ``prompt``: prompt chunks, with the running rows when packed): ``steps_total``,
+    ``step_seconds_total`` (their wall time) and ``step_tokens_total`` (decode: the tokens picked; prompt: the
+    prompt tokens computed).
 
     Args:
         stats: returns each batcher's stats and labels: none while the model is loading (nothing is exported),
@@ -105,6 +109,12 @@ class BatcherCollector(Collector):
                                    labels=names)
         preemptions = CounterMetricFamily(PREFIX + "preemptions", "Running requests preempted (computed again later)",
                                           labels=names)
+        step_labels = [*names, "kind"]
+        steps = CounterMetricFamily(PREFIX + "steps", "Batcher steps run", labels=step_labels)
+        step_seconds = CounterMetricFamily(PREFIX + "step_seconds", "Wall time of the batcher's steps",
+                                           labels=step_labels)
+        step_tokens = CounterMetricFamily(PREFIX + "step_tokens", "Tokens of the batcher's steps (decode: picked; "
+                                          "prompt: prompt tokens computed)", labels=step_labels)
         for labels, stats in batchers:
             values = [labels.get(name, "") for name in names]
             for usage in stats.groups:
@@ -116,5 +126,13 @@ class BatcherCollector(Collector):
             waiting.add_metric(values, stats.waiting)
             hits.add_metric(values, stats.prefix_hit_tokens)
             preemptions.add_metric(values, stats.preemptions)
+            times = stats.steps
+            for kind, count, seconds, tokens in (
+                ("decode", times.decode_steps, times.decode_seconds, times.decode_rows),
+                ("prompt", times.prompt_steps, times.prompt_seconds, times.prompt_tokens),
+            ):
+                steps.add_metric([*values, kind], count)
+                step_seconds.add_metric([*values, kind], seconds)
+                step_tokens.add_metric([*values, kind], tokens)
         yield from gauges.values()
-        yield from (running, waiting, hits, preemptions)
+        yield from (running, waiting, hits, preemptions, steps, step_seconds, step_tokens)
