@@ -146,7 +146,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 from hf_paged_cache.kernels import pack_linears
-from hf_paged_cache.serving.steps import StepTimes
+from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
 from hf_paged_cache.serving.heap import pad_heap

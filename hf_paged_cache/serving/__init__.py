@@ -3,5 +3,6 @@ handles, submit-time checks, admission and packed steps."""
 
 from .batcher import BatcherStats, ContinuousBatcher, GroupUsage, generate_many
 from .request import RequestHandle
+from .steps import StepTimes
 
-__all__ = ["BatcherStats", "ContinuousBatcher", "GroupUsage", "RequestHandle", "generate_many"]
+__all__ = ["BatcherStats", "ContinuousBatcher", "GroupUsage", "RequestHandle", "StepTimes", "generate_many"]
