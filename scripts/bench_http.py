@@ -146,9 +146,9 @@ from hf_paged_cache.bench import (
     write_json,
 )
 from hf_paged_cache.kernels import pack_linears
-from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
+from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = (
@@ -546,15 +546,14 @@ def run_batcher_round(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 def step_split(before: StepTimes, after: StepTimes) -> dict[str, float]:
     """Where the batcher's steps between two `stats().steps` spent their time: decode steps (running rows only)
     and prompt steps (prompt chunks, with the running rows when packed)."""
-    decode_steps, decode_seconds = after.decode_steps - before.decode_steps, after.decode_seconds - before.decode_seconds
-    prompt_tokens, prompt_seconds = after.prompt_tokens - before.prompt_tokens, after.prompt_seconds - before.prompt_seconds
+    run = after.since(before)
     return {
-        "decode_steps": decode_steps, "decode_seconds": decode_seconds,
-        "decode_share": decode_seconds / (decode_seconds + prompt_seconds),
-        "decode_step_ms": 1e3 * decode_seconds / decode_steps if decode_steps else None,
-        "decode_rows_mean": (after.decode_rows - before.decode_rows) / decode_steps if decode_steps else None,
-        "prompt_steps": after.prompt_steps - before.prompt_steps, "prompt_seconds": prompt_seconds,
-        "prompt_ms_per_token": 1e3 * prompt_seconds / prompt_tokens,
+        "decode_steps": run.decode_steps, "decode_seconds": run.decode_seconds,
+        "decode_share": run.decode_seconds / (run.decode_seconds + run.prompt_seconds),
+        "decode_step_ms": 1e3 * run.decode_seconds / run.decode_steps if run.decode_steps else None,
+        "decode_rows_mean": run.decode_rows / run.decode_steps if run.decode_steps else None,
+        "prompt_steps": run.prompt_steps, "prompt_seconds": run.prompt_seconds,
+        "prompt_ms_per_token": 1e3 * run.prompt_seconds / run.prompt_tokens,
     }
 
 

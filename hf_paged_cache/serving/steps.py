@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
@@ -71,3 +71,7 @@ class StepTimes:
             self, decode_steps=self.decode_steps + 1, decode_seconds=self.decode_seconds + seconds,
             decode_rows=self.decode_rows + len(plan.running),
         )
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """The steps run between `earlier` (a snapshot of the same batcher's times) and these."""
+        return StepTimes(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
