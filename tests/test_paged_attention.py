@@ -116,6 +116,40 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
         assert min(len(groups) for groups in grouping) == 1
 
 
+def paged_logits(model, batch, spans: list[tuple[int, int]], num_blocks: int) -> torch.Tensor:
+    """``[B, T, V]``: the logits of forwards over `spans` of `batch` on one PagedCache, concatenated."""
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), PagedCache(model, num_blocks=num_blocks) as cache:
+        return torch.cat([
+            model(input_ids=batch["input_ids"][:, start:end], attention_mask=mask[:, :end],
+                  position_ids=positions[:, start:end], cache=cache, use_cache=True).logits
+            for start, end in spans
+        ], dim=1)
+
+
+@pytest.mark.parametrize("call_cost", [step_module.DECODE_CALL_COST, 10, 0])
+def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost):
+    # at two threads a decode step gathers rows of the storage seen as [H * slots, D] instead of selecting along
+    # its slots: the same keys in another layout, so the same logits to the last bit, in 1, 2 or 3 groups of rows
+    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
+    model = tiny_model("llama")
+    set_paged_attention(model)
+    batch = ragged_batch([0, 7, 13], 40, seed=3)
+    spans = [(0, 20), *((t, t + 1) for t in range(20, 40))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gathers = count_calls(monkeypatch, block_attention, "_gather_head_major")
+        by_rows = paged_logits(model, batch, spans, num_blocks=48)
+        assert gathers  # the decode steps after the rows' first new blocks (the ones before read views)
+        monkeypatch.setattr(block_attention, "gathers_rows", lambda: False)
+        along_slots = paged_logits(model, batch, spans, num_blocks=48)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(by_rows, along_slots)
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_product_attention_matches_sdpa(groups):
     # 5 rows of 1 to 9 seen keys (left padding masked), 2 key/value heads of `groups` query heads each

@@ -285,24 +285,38 @@ def _attend_decode(
             by_products and plain and query.dtype == torch.float32
             and key_storage is not None and value_storage is not None
         )
-        if by_products:
+        head_major = key_storage is not None and value_storage is not None and gathers_rows()
+        if by_products or head_major:
             keys, values = _gather_head_major(key_storage, padded), _gather_head_major(value_storage, padded)
         else:
             keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
             values = inputs.values.gather(padded.slots)  # [H, N, Dv]
     if by_products:
         return _attend_by_products(grouped, keys, values, padded, scale).reshape(batch_size, 1, query_heads, -1)
-    if padded.groups[0].rows is None:  # one group of every row
-        out = attend(grouped, by_row(keys, batch_size), by_row(values, batch_size), padded.groups[0].mask)
-        return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
-    out = grouped.new_empty(batch_size, heads, groups, values.shape[-1])  # [B, H, g, Dv]
     sizes = padded.group_sizes()
-    for group, group_keys, group_values in zip(padded.groups, keys.split(sizes, 1), values.split(sizes, 1)):
+    if head_major:
+        keys = [part.view(heads, -1, part.shape[-1]) for part in keys.split([heads * n for n in sizes])]
+        values = [part.view(heads, -1, part.shape[-1]) for part in values.split([heads * n for n in sizes])]
+    else:
+        keys, values = keys.split(sizes, 1), values.split(sizes, 1)
+    if padded.groups[0].rows is None:  # one group of every row
+        out = attend(grouped, by_row(keys[0], batch_size), by_row(values[0], batch_size), padded.groups[0].mask)
+        return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
+    out = grouped.new_empty(batch_size, heads, groups, values[0].shape[-1])  # [B, H, g, Dv]
+    for group, group_keys, group_values in zip(padded.groups, keys, values):
         rows = len(group.rows)
         # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys
         group_out = attend(grouped[group.rows], by_row(group_keys, rows), by_row(group_values, rows), group.mask)
         out.index_copy_(0, group.rows, group_out)
     return out.reshape(batch_size, 1, query_heads, -1)
+
+
+def gathers_rows() -> bool:
+    """Whether a decode step gathers its keys as rows of the storage seen as ``[H * slots, D]``
+    (`_gather_head_major`): one ``index_select`` that several threads share, where a select along the slots of
+    ``[H, slots, D]`` runs on one (SmolLM2's gather of 16 rows of 300 keys: 0.24 against 0.35 ms at two
+    threads). At one thread the select along the slots is the faster (0.32 against 0.35 ms)."""
+    return torch.get_num_threads() > 1
 
 
 def _gather_head_major(storage: torch.Tensor, padded: PaddedKeys) -> torch.Tensor:
