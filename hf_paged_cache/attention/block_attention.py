@@ -11,8 +11,8 @@ key/value head.
 A decode step (one new token per row, all real) is the exception: there a loop over rows costs more than it
 saves (two gathers and one SDPA call per row and layer), and one padded call over all rows attends over the
 padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
-keys are gathered padded to its longest row (all groups' in one gather) and attended in one masked call, the
-grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`): an SDPA
+keys are gathered padded to its longest row (all groups' in one gather, which several threads share:
+`gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`): an SDPA
 call, or, with `decode_by_products` (``paged_bmm``), in float32, two batched matrix products and a softmax
 (`product_attention`), faster on CPUs at two threads but equal to SDPA only up to float32 rounding. When
 every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a fresh batch),
