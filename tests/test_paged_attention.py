@@ -59,26 +59,27 @@ def test_config_built_cache_uses_the_dense_path(monkeypatch):
     assert calls
 
 
+def paged_logits(model, batch, spans: list[tuple[int, int]], num_blocks: int) -> torch.Tensor:
+    """``[B, T, V]``: the logits of forwards over `spans` of `batch` on one PagedCache, concatenated."""
+    mask = batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), PagedCache(model, num_blocks=num_blocks) as cache:
+        return torch.cat([
+            model(input_ids=batch["input_ids"][:, start:end], attention_mask=mask[:, :end],
+                  position_ids=positions[:, start:end], cache=cache, use_cache=True).logits
+            for start, end in spans
+        ], dim=1)
+
+
 def assert_pieces_match_one_forward(model, batch, spans: list[tuple[int, int]], num_blocks: int) -> None:
     """Forwards over `spans` of `batch` with a PagedCache give one uncached forward's logits at every real position."""
     mask = batch["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         reference = model(**batch, position_ids=positions).logits  # [B, T, V]
-        pieces = []
-        with PagedCache(model, num_blocks=num_blocks) as cache:
-            for start, end in spans:
-                pieces.append(
-                    model(
-                        input_ids=batch["input_ids"][:, start:end],
-                        attention_mask=mask[:, :end],
-                        position_ids=positions[:, start:end],
-                        cache=cache,
-                        use_cache=True,
-                    ).logits
-                )
+    pieces = paged_logits(model, batch, spans, num_blocks)
     real = mask.bool()
-    torch.testing.assert_close(torch.cat(pieces, dim=1)[real], reference[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(pieces[real], reference[real], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
@@ -114,18 +115,6 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
     # the sliding layers' rows all read their last 12 columns: one group whatever the cost
     if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
         assert min(len(groups) for groups in grouping) == 1
-
-
-def paged_logits(model, batch, spans: list[tuple[int, int]], num_blocks: int) -> torch.Tensor:
-    """``[B, T, V]``: the logits of forwards over `spans` of `batch` on one PagedCache, concatenated."""
-    mask = batch["attention_mask"]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), PagedCache(model, num_blocks=num_blocks) as cache:
-        return torch.cat([
-            model(input_ids=batch["input_ids"][:, start:end], attention_mask=mask[:, :end],
-                  position_ids=positions[:, start:end], cache=cache, use_cache=True).logits
-            for start, end in spans
-        ], dim=1)
 
 
 @pytest.mark.parametrize("call_cost", [step_module.DECODE_CALL_COST, 10, 0])

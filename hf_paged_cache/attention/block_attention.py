@@ -12,8 +12,8 @@ A decode step (one new token per row, all real) is the exception: there a loop o
 saves (two gathers and one SDPA call per row and layer), and one padded call over all rows attends over the
 padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
 keys are gathered padded to its longest row (all groups' in one gather, which several threads share:
-`gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed cost per call (`cache.step.length_groups`): an SDPA
-call, or, with `decode_by_products` (``paged_bmm``), in float32, two batched matrix products and a softmax
+`gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed
+cost per call (`cache.step.length_groups`): an SDPA call, or, with `decode_by_products` (``paged_bmm``), in float32, two batched matrix products and a softmax
 (`product_attention`), faster on CPUs at two threads but equal to SDPA only up to float32 rounding. When
 every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a fresh batch),
 each row attends instead from a strided view of the pool, with no copy at all. When the rows share their
@@ -281,33 +281,32 @@ def _attend_decode(
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
         key_storage, value_storage = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
-        by_products = (
-            by_products and plain and query.dtype == torch.float32
-            and key_storage is not None and value_storage is not None
-        )
-        head_major = key_storage is not None and value_storage is not None and gathers_rows()
-        if by_products or head_major:
+        plain_storage = key_storage is not None and value_storage is not None
+        by_products = by_products and plain and query.dtype == torch.float32 and plain_storage
+        head_major = plain_storage and (by_products or gathers_rows())
+        if head_major:
             keys, values = _gather_head_major(key_storage, padded), _gather_head_major(value_storage, padded)
         else:
             keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
             values = inputs.values.gather(padded.slots)  # [H, N, Dv]
-    if by_products:
-        return _attend_by_products(grouped, keys, values, padded, scale).reshape(batch_size, 1, query_heads, -1)
-    sizes = padded.group_sizes()
-    if head_major:
-        keys = [part.view(heads, -1, part.shape[-1]) for part in keys.split([heads * n for n in sizes])]
-        values = [part.view(heads, -1, part.shape[-1]) for part in values.split([heads * n for n in sizes])]
-    else:
-        keys, values = keys.split(sizes, 1), values.split(sizes, 1)
+    # per group [H, n * kv, D] (contiguous when gathered head-major)
+    key_parts, value_parts = _group_parts(keys, padded, head_major), _group_parts(values, padded, head_major)
+
+    def attend_group(
+        row_query: torch.Tensor, group_keys: torch.Tensor, group_values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        # [n, H, g, Dv] from [n, H, g, D] queries over the group's [H, n * kv, D] keys
+        if by_products:
+            return product_attention(row_query, group_keys, group_values, mask, scale)
+        rows = row_query.shape[0]
+        return attend(row_query, by_row(group_keys, rows), by_row(group_values, rows), mask)
+
     if padded.groups[0].rows is None:  # one group of every row
-        out = attend(grouped, by_row(keys[0], batch_size), by_row(values[0], batch_size), padded.groups[0].mask)
+        out = attend_group(grouped, key_parts[0], value_parts[0], padded.groups[0].mask)
         return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
-    out = grouped.new_empty(batch_size, heads, groups, values[0].shape[-1])  # [B, H, g, Dv]
-    for group, group_keys, group_values in zip(padded.groups, keys, values):
-        rows = len(group.rows)
-        # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys
-        group_out = attend(grouped[group.rows], by_row(group_keys, rows), by_row(group_values, rows), group.mask)
-        out.index_copy_(0, group.rows, group_out)
+    out = grouped.new_empty(batch_size, heads, groups, value_parts[0].shape[-1])  # [B, H, g, Dv]
+    for group, group_keys, group_values in zip(padded.groups, key_parts, value_parts):
+        out.index_copy_(0, group.rows, attend_group(grouped[group.rows], group_keys, group_values, group.mask))
     return out.reshape(batch_size, 1, query_heads, -1)
 
 
@@ -326,20 +325,14 @@ def _gather_head_major(storage: torch.Tensor, padded: PaddedKeys) -> torch.Tenso
     return storage.view(heads * capacity, dim).index_select(0, padded.head_major_rows(heads, capacity))
 
 
-def _attend_by_products(
-    grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padded: PaddedKeys, scale: float
-) -> torch.Tensor:
-    """``[B, H, g, Dv]``: a decode step's groups of rows, each by `product_attention` over its keys and values
-    in `keys` ``[H * N, D]`` and `values` ``[H * N, Dv]`` (`_gather_head_major`)."""
-    if padded.groups[0].rows is None:  # one group of every row
-        return product_attention(grouped, keys, values, padded.groups[0].mask, scale)
-    out = grouped.new_empty(*grouped.shape[:3], values.shape[-1])  # [B, H, g, Dv]
-    heads = grouped.shape[1]
-    sizes = [heads * size for size in padded.group_sizes()]
-    for group, group_keys, group_values in zip(padded.groups, keys.split(sizes), values.split(sizes)):
-        group_out = product_attention(grouped[group.rows], group_keys, group_values, group.mask, scale)  # [n, H, g, Dv]
-        out.index_copy_(0, group.rows, group_out)
-    return out
+def _group_parts(gathered: torch.Tensor, padded: PaddedKeys, head_major: bool) -> list[torch.Tensor]:
+    """Each group's ``[H, n * kv, D]`` keys (or values) out of a decode step's one gather: ``[H * N, D]`` from
+    `_gather_head_major` (each group's part contiguous), else ``[H, N, D]`` (each a slice along the slots)."""
+    sizes = padded.group_sizes()
+    if not head_major:
+        return list(gathered.split(sizes, 1))
+    heads = gathered.shape[0] // sum(sizes)
+    return [part.view(heads, -1, gathered.shape[-1]) for part in gathered.split([heads * n for n in sizes])]
 
 
 def product_attention(
@@ -353,7 +346,8 @@ def product_attention(
 
     Args:
         query: ``[n, H, g, D]``, the `g` query heads sharing key/value head `h` as rows of it.
-        keys: ``[H * n * kv, D]`` (head, then row, then position); values: ``[H * n * kv, Dv]`` likewise.
+        keys: ``[H, n * kv, D]`` or ``[H * n * kv, D]``, contiguous (head, then row, then position); values:
+            ``[H, n * kv, Dv]`` or ``[H * n * kv, Dv]`` likewise.
         mask: ``[n, 1, 1, kv]`` True where the row's query sees the key (at least one), or None for all.
     """
     rows, heads, groups, dim = query.shape
