@@ -49,9 +49,8 @@ sizes 1,8,32, prompts up to 1024, 128 new tokens)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +58,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
 
-from hf_paged_cache import PagedCache, set_paged_attention
-from hf_paged_cache.attention import BMM_ATTENTION_NAME, PAGED_ATTENTION_NAMES
+from hf_paged_cache import PagedCache
 from hf_paged_cache.serving.heap import pad_heap
 from hf_paged_cache.bench import (
     StepClock,
+    VARIANTS,
     Timer,
     Workload,
     add_common_args,
@@ -81,10 +80,10 @@ from hf_paged_cache.bench import (
     reset_peak_memory,
     sharegpt_workload,
     stored_tokens,
+    variant_attention,
     write_json,
 )
 
-VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm")
 DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm when asked: it is not the library's default
 MODES = ("greedy", "beam", "sample")
 
@@ -172,19 +171,6 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
-@contextlib.contextmanager
-def attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
-    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention otherwise."""
-    original = model.config._attn_implementation
-    if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
-        set_paged_attention(model, decode_by_products=variant == BMM_ATTENTION_NAME)
-    try:
-        yield
-    finally:
-        if model.config._attn_implementation != original:
-            model.set_attn_implementation(original)
-
-
 def paged_pool_blocks(prompt_lens: list[int], new_tokens: int, expand: int, block_size: int) -> int:
     """Pool size for a scenario. Greedy (``expand == 1``): exactly ``sum(ceil((prompt + new - 1) / block))``
     plus the null block. Beams / samples: an upper bound, every expanded row holding its own prompt and new
@@ -216,7 +202,7 @@ def run_once(
     if scenario.mode == "sample":
         torch.manual_seed(args.seed)
     reset_peak_memory(device)
-    with attention(model, variant), torch.inference_mode(), Timer(device) as timer:
+    with variant_attention(model, variant), torch.inference_mode(), Timer(device) as timer:
         out = model.generate(
             **batch,
             cache=cache,

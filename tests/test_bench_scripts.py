@@ -242,6 +242,34 @@ def test_bench_decode_fields(decode_result: dict[str, Any]) -> None:
                                              for v in ("paged", "paged_sdpa")}
 
 
+# ---------------------------------------------------------------------------------------- bench_steps
+
+
+def test_bench_steps_alternates_the_same_steps(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--prompt-lens", "30,12x2", "--steps", "4", "--warmup-steps", "1",
+            "--variants", "dynamic,paged_sdpa,paged"]
+    result = run_script("bench_steps", args, results_dir / "bench_steps.json")
+    assert result["prompt_lens"] == [30, 12, 12] and result["reference"] == "dynamic"
+    assert list(result["variants"]) == ["dynamic", "paged_sdpa", "paged"]
+    for variant, r in result["variants"].items():
+        assert len(r["step_seconds"]) == 4 and all(s > 0 for s in r["step_seconds"])
+        low, high = r["step_ms_quartiles"]
+        assert 0 < low <= r["step_ms"] <= high
+        if variant != "dynamic":
+            low, high = r["speed_quartiles"]
+            assert 0 < low <= r["speed"] <= high
+            assert r["same_greedy_tokens"] is True and r["max_abs_logit_diff"] < 1e-5
+
+
+def test_bench_steps_reads_its_batch_and_refuses_one_variant() -> None:
+    script = load_script("bench_steps")
+    assert script.parse_prompt_lens("60,300x3, 7") == [60, 300, 300, 300, 7]
+    with pytest.raises(SystemExit):
+        script.parse_args(["--variants", "dynamic"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--variants", "dynamic,paged_nope"])
+
+
 # -------------------------------------------------------------------------------------- bench_kernels
 
 

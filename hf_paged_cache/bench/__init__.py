@@ -3,6 +3,7 @@
 - `workload`: the seeded ShareGPT-shaped request stream;
 - `kv_bytes`: KV byte accounting for dense and paged caches;
 - `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
+- `variants`: the caches the scripts compare and the attention each runs with;
 - `report`: shared command-line options, model loading, JSON and markdown output.
 
 Nothing in the core package imports this subpackage.
@@ -36,6 +37,7 @@ from .timing import (
     reset_peak_memory,
     synchronize,
 )
+from .variants import VARIANTS, variant_attention
 from .workload import (
     SHAREGPT_INPUT,
     SHAREGPT_INPUT_MEAN,
@@ -57,6 +59,7 @@ __all__ = [
     "SHAREGPT_OUTPUT",
     "SHAREGPT_OUTPUT_MEAN",
     "SOURCE",
+    "VARIANTS",
     "FirstTokenTimer",
     "LogNormalLengths",
     "Request",
@@ -85,5 +88,6 @@ __all__ = [
     "stored_tokens",
     "synchronize",
     "used_bytes",
+    "variant_attention",
     "write_json",
 ]

@@ -1,0 +1,28 @@
+"""The caches a benchmark compares (`VARIANTS`): `DynamicCache` and `PagedCache` with the model's own
+attention or ours, and `variant_attention`, which puts the model on the attention a variant names."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from transformers import PreTrainedModel
+
+from ..attention import BMM_ATTENTION_NAME, PAGED_ATTENTION_NAMES, set_paged_attention
+
+VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm")
+"""``dynamic``: DynamicCache, the model's attention; ``paged``: PagedCache, the same attention; ``paged_sdpa``:
+PagedCache with `set_paged_attention`; ``paged_bmm``: the same with ``decode_by_products=True``."""
+
+
+@contextlib.contextmanager
+def variant_attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
+    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention otherwise."""
+    original = model.config._attn_implementation
+    if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
+        set_paged_attention(model, decode_by_products=variant == BMM_ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
