@@ -114,16 +114,18 @@ def forward(model: PreTrainedModel, variant: str, cache: Any, input_ids: torch.T
 
 
 def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, Any]:
-    """Prefill every variant's cache, then alternate the decode steps; per variant its step times and how its
-    logits compare with the first variant's."""
+    """Prefill every variant's cache, then alternate the decode steps: per variant its step times and how its
+    logits compare with the first variant's (``variants``), and the largest |logit| seen (``max_abs_logit``)."""
     variants, total = args.variants, args.warmup_steps + args.steps
     caches = {v: new_cache(model, v, args.prompt_lens, total, args.block_size) for v in variants}
     seconds: dict[str, list[float]] = {v: [] for v in variants}
     max_diff = {v: 0.0 for v in variants}
     same_tokens = {v: True for v in variants}
+    scale = [0.0]  # the largest |logit| of the first variant: what the differences compare with
 
     def compare(logits: dict[str, torch.Tensor]) -> None:
         reference = logits[variants[0]]  # [B, V]
+        scale[0] = max(scale[0], float(reference.abs().max()))
         for v in variants[1:]:
             max_diff[v] = max(max_diff[v], float((logits[v] - reference).abs().max()))
             same_tokens[v] &= bool(torch.equal(logits[v].argmax(-1), reference.argmax(-1)))
@@ -156,7 +158,7 @@ def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.N
             results[v] |= {"speed": median(speed), "speed_quartiles": [percentile(speed, 0.25),
                                                                        percentile(speed, 0.75)],
                            "max_abs_logit_diff": max_diff[v], "same_greedy_tokens": same_tokens[v]}
-    return results
+    return {"max_abs_logit": scale[0], "variants": results}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = fixed_length_workload(args.prompt_lens, seed=args.seed, output_len=args.steps,
                                      token_range=prompt_token_range(model, tokenizer))
     batch = left_pad(workload.prompts(), pad_token_id(model, tokenizer), args.device)  # [B, S] each
-    results = run(model, batch, args)
+    measured = run(model, batch, args)
     payload: dict[str, Any] = {
         "benchmark": "steps",
         "command": "python scripts/bench_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "prompt_lens": args.prompt_lens,
         "reference": args.variants[0],
-        "variants": results,
+        **measured,  # max_abs_logit, and per variant its step times and logit comparison
     }
     write_json(args.out, payload, args.device)
     print_report(payload)
@@ -202,6 +204,7 @@ def print_report(payload: dict[str, Any]) -> None:
     print(f"\n{payload['model']} {payload['dtype']}, {payload['threads']} threads, {len(payload['prompt_lens'])} rows, "
           f"{args['steps']} decode steps alternated (after {args['warmup_steps']} untimed)")
     print(format_table(rows, list(rows[0])))
+    print(f"largest |logit| of {payload['reference']}: {payload['max_abs_logit']:.1f}")
 
 
 if __name__ == "__main__":
