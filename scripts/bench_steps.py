@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from hf_paged_cache.bench import (
     percentile,
     prompt_token_range,
     stored_tokens,
+    synchronize,
     variant_attention,
     write_json,
 )
@@ -106,11 +108,32 @@ def forward(model: PreTrainedModel, variant: str, cache: Any, input_ids: torch.T
     """One forward of `variant` over `input_ids` ``[B, q]``: its last-position logits ``[B, V]`` and its seconds."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # [B, q], as generate computes them
     with variant_attention(model, variant):
+        synchronize(input_ids.device)
         start = time.perf_counter()
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1)
+        synchronize(input_ids.device)
         seconds = time.perf_counter() - start
     return out.logits[:, -1].float(), seconds
+
+
+@dataclass
+class LogitComparison:
+    """Each variant's last-position logits against the first variant's, step after step."""
+
+    variants: list[str]
+    max_abs_logit: float = 0.0  # the first variant's largest |logit|: what the differences compare with
+    max_diff: dict[str, float] = field(default_factory=dict)  # per other variant: its largest |difference|
+    same_tokens: dict[str, bool] = field(default_factory=dict)  # per other variant: every greedy choice agreed
+
+    def add(self, logits: dict[str, torch.Tensor]) -> None:
+        """Compare one forward's logits ``[B, V]`` of every variant."""
+        reference = logits[self.variants[0]]
+        self.max_abs_logit = max(self.max_abs_logit, float(reference.abs().max()))
+        for v in self.variants[1:]:
+            self.max_diff[v] = max(self.max_diff.get(v, 0.0), float((logits[v] - reference).abs().max()))
+            agree = bool(torch.equal(logits[v].argmax(-1), reference.argmax(-1)))
+            self.same_tokens[v] = self.same_tokens.get(v, True) and agree
 
 
 def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, Any]:
@@ -119,21 +142,11 @@ def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.N
     variants, total = args.variants, args.warmup_steps + args.steps
     caches = {v: new_cache(model, v, args.prompt_lens, total, args.block_size) for v in variants}
     seconds: dict[str, list[float]] = {v: [] for v in variants}
-    max_diff = {v: 0.0 for v in variants}
-    same_tokens = {v: True for v in variants}
-    scale = [0.0]  # the largest |logit| of the first variant: what the differences compare with
-
-    def compare(logits: dict[str, torch.Tensor]) -> None:
-        reference = logits[variants[0]]  # [B, V]
-        scale[0] = max(scale[0], float(reference.abs().max()))
-        for v in variants[1:]:
-            max_diff[v] = max(max_diff[v], float((logits[v] - reference).abs().max()))
-            same_tokens[v] &= bool(torch.equal(logits[v].argmax(-1), reference.argmax(-1)))
-
+    comparison = LogitComparison(variants)
     mask = batch["attention_mask"]  # [B, S]
     with torch.inference_mode():
         logits = {v: forward(model, v, caches[v], batch["input_ids"], mask)[0] for v in variants}  # prefill
-        compare(logits)
+        comparison.add(logits)
         for step in range(total):
             new_ids = logits[variants[0]].argmax(-1, keepdim=True)  # [B, 1]
             mask = torch.cat([mask, torch.ones_like(new_ids)], dim=1)  # [B, S + step + 1]
@@ -142,23 +155,30 @@ def run(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.N
                 logits[v], took = forward(model, v, caches[v], new_ids, mask)
                 if step >= args.warmup_steps:
                     seconds[v].append(took)
-            compare(logits)
+            comparison.add(logits)
     for cache in caches.values():
         if isinstance(cache, PagedCache):
             cache.release()
-    base = seconds[variants[0]]
+    return {"max_abs_logit": comparison.max_abs_logit, "variants": summarize(seconds, comparison)}
+
+
+def summarize(seconds: dict[str, list[float]], comparison: LogitComparison) -> dict[str, Any]:
+    """Per variant: median and quartiles of its step times; for the others, of the per-step ratios of the first
+    variant's time to theirs (> 1: faster), and their logit comparison."""
+    first = comparison.variants[0]
     results: dict[str, Any] = {}
-    for v in variants:
-        step_ms = [s * 1e3 for s in seconds[v]]
-        results[v] = {"step_ms": median(step_ms), "step_ms_quartiles": [percentile(step_ms, 0.25),
-                                                                         percentile(step_ms, 0.75)],
-                      "step_seconds": seconds[v]}
-        if v != variants[0]:
-            speed = [b / s for b, s in zip(base, seconds[v], strict=True)]  # > 1: v's step took less time
-            results[v] |= {"speed": median(speed), "speed_quartiles": [percentile(speed, 0.25),
-                                                                       percentile(speed, 0.75)],
-                           "max_abs_logit_diff": max_diff[v], "same_greedy_tokens": same_tokens[v]}
-    return {"max_abs_logit": scale[0], "variants": results}
+    for v, own in seconds.items():
+        step_ms = [s * 1e3 for s in own]
+        results[v] = {"step_ms": median(step_ms),
+                      "step_ms_quartiles": [percentile(step_ms, 0.25), percentile(step_ms, 0.75)],
+                      "step_seconds": own}
+        if v != first:
+            speed = [b / s for b, s in zip(seconds[first], own, strict=True)]
+            results[v] |= {"speed": median(speed),
+                           "speed_quartiles": [percentile(speed, 0.25), percentile(speed, 0.75)],
+                           "max_abs_logit_diff": comparison.max_diff[v],
+                           "same_greedy_tokens": comparison.same_tokens[v]}
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
