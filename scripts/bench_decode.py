@@ -74,12 +74,11 @@ from hf_paged_cache.bench import (
     median,
     mib,
     pad_token_id,
-    paged_blocks,
+    paged_pool_blocks,
     peak_memory,
     prompt_token_range,
     reset_peak_memory,
     sharegpt_workload,
-    stored_tokens,
     variant_attention,
     write_json,
 )
@@ -169,15 +168,6 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             {"do_sample": True, "num_return_sequences": k},
         ))
     return out
-
-
-def paged_pool_blocks(prompt_lens: list[int], new_tokens: int, expand: int, block_size: int) -> int:
-    """Pool size for a scenario. Greedy (``expand == 1``): exactly ``sum(ceil((prompt + new - 1) / block))``
-    plus the null block. Beams / samples: an upper bound, every expanded row holding its own prompt and new
-    tokens plus one copy-on-write block, plus the null block."""
-    if expand == 1:
-        return paged_blocks(stored_tokens(prompt_lens, new_tokens), block_size) + 1
-    return expand * (paged_blocks([p + new_tokens for p in prompt_lens], block_size) + len(prompt_lens)) + 1
 
 
 def run_once(

@@ -12,7 +12,8 @@ The new tokens are the first variant's greedy choices (as ``generate`` would fee
 computes exactly the same steps; each step's last-position logits are compared with the first variant's
 (largest absolute difference, and whether every greedy choice agrees). Inputs are built as ``generate``
 builds them: the attention mask grows by one column a step and each row's position is its count of real
-tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm`` (see `hf_paged_cache.bench.VARIANTS`).
+tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm``
+(see `hf_paged_cache.bench.VARIANTS`).
 
 ``--prompt-lens`` gives the batch: lengths separated by commas, ``LxN`` for ``N`` rows of ``L`` tokens (e.g.
 ``512`` for batch 1, ``300x16`` for 16 equal rows, ``60,150,250,400,550,700,850,1000`` for a ragged batch).
@@ -45,10 +46,9 @@ from hf_paged_cache.bench import (
     load,
     median,
     pad_token_id,
-    paged_blocks,
+    paged_pool_blocks,
     percentile,
     prompt_token_range,
-    stored_tokens,
     synchronize,
     variant_attention,
     write_json,
@@ -78,11 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: dynamic,paged_sdpa)")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
     parser.add_argument("--pad-heap", action="store_true",
-                        help="keep freed memory in the heap (pad_heap, as the server does) for every variant alike "
-                        "(without it: glibc's own settings)")
+                        help="keep freed memory in the heap (pad_heap, as the server does) for every variant "
+                        "alike (without it: glibc's own settings)")
     parser.add_argument("--packed-linears", action="store_true",
-                        help="multiply through oneDNN-packed weights (pack_linears, as the server does on a CPU) "
-                        "for every variant alike (without it: the stock kernels)")
+                        help="multiply through oneDNN-packed weights (pack_linears, as the server does on a "
+                        "CPU) for every variant alike (without it: the stock kernels)")
     args = parser.parse_args(argv)
     args.prompt_lens = parse_prompt_lens(args.prompt_lens)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -99,14 +99,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def new_cache(model: PreTrainedModel, variant: str, prompt_lens: list[int], steps: int, block_size: int) -> Any:
     if variant == "dynamic":
         return DynamicCache(config=model.config)
-    blocks = paged_blocks(stored_tokens(prompt_lens, steps + 1), block_size) + 1  # + the null block
+    # the prefill, then `steps` forwards of one token: as generate with steps + 1 new tokens stores
+    blocks = paged_pool_blocks(prompt_lens, steps + 1, expand=1, block_size=block_size)
     return PagedCache(model, block_size=block_size, num_blocks=blocks)
 
 
 def forward(model: PreTrainedModel, variant: str, cache: Any, input_ids: torch.Tensor,
             mask: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """One forward of `variant` over `input_ids` ``[B, q]``: its last-position logits ``[B, V]`` and its seconds."""
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # [B, q], as generate computes them
+    """One forward of `variant` over `input_ids` ``[B, q]``: its last-position logits ``[B, V]`` and its
+    seconds."""
+    # [B, q]: each new token's count of real tokens before it, as generate computes positions
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
     with variant_attention(model, variant):
         synchronize(input_ids.device)
         start = time.perf_counter()
@@ -221,8 +224,9 @@ def print_report(payload: dict[str, Any]) -> None:
             "max |logit diff|": f"{r['max_abs_logit_diff']:.1e}" if "speed" in r else "",
             "same tokens": r.get("same_greedy_tokens", ""),
         })
-    print(f"\n{payload['model']} {payload['dtype']}, {payload['threads']} threads, {len(payload['prompt_lens'])} rows, "
-          f"{args['steps']} decode steps alternated (after {args['warmup_steps']} untimed)")
+    print(f"\n{payload['model']} {payload['dtype']}, {payload['threads']} threads, "
+          f"{len(payload['prompt_lens'])} rows, {args['steps']} decode steps alternated "
+          f"(after {args['warmup_steps']} untimed)")
     print(format_table(rows, list(rows[0])))
     print(f"largest |logit| of {payload['reference']}: {payload['max_abs_logit']:.1f}")
 

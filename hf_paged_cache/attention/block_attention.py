@@ -13,13 +13,14 @@ saves (two gathers and one SDPA call per row and layer), and one padded call ove
 padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
 keys are gathered padded to its longest row (all groups' in one gather, which several threads share:
 `gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed
-cost per call (`cache.step.length_groups`): an SDPA call, or, with `decode_by_products` (``paged_bmm``), in float32, two batched matrix products and a softmax
-(`product_attention`), faster on CPUs at two threads but equal to SDPA only up to float32 rounding. When
-every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a fresh batch),
-each row attends instead from a strided view of the pool, with no copy at all. When the rows share their
-first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks), the shared
-keys are attended once for all rows from a view and only each row's own tail is gathered; the two partial
-softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention).
+cost per call (`cache.step.length_groups`): an SDPA call, or, with `decode_by_products` (``paged_bmm``), in
+float32, two batched matrix products and a softmax (`product_attention`), faster on CPUs at two threads but
+equal to SDPA only up to float32 rounding. When every row's keys fill consecutive slots (a row alone, whose
+blocks follow each other, or a fresh batch), each row attends instead from a strided view of the pool, with no
+copy at all. When the rows share their first keys in consecutive slots (beams, or samples of one prompt,
+reading the prompt's blocks), the shared keys are attended once for all rows from a view and only each row's
+own tail is gathered; the two partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade
+attention).
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own

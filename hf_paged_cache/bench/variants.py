@@ -17,7 +17,8 @@ PagedCache with `set_paged_attention`; ``paged_bmm``: the same with ``decode_by_
 
 @contextlib.contextmanager
 def variant_attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
-    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention otherwise."""
+    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention
+    otherwise."""
     original = model.config._attn_implementation
     if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
         set_paged_attention(model, decode_by_products=variant == BMM_ATTENTION_NAME)
