@@ -63,9 +63,9 @@ def stored_tokens(prompt_lens: Iterable[int], new_tokens: int) -> list[int]:
 
 def paged_pool_blocks(prompt_lens: list[int], new_tokens: int, expand: int, block_size: int) -> int:
     """Pool blocks for rows of `prompt_lens` generating `new_tokens` each, every row expanded `expand` times
-    inside ``generate`` (beams or samples). Greedy (``expand == 1``): exactly ``sum(ceil((prompt + new - 1) / block))``
-    plus the null block. Beams / samples: an upper bound, every expanded row holding its own prompt and new
-    tokens plus one copy-on-write block, plus the null block."""
+    inside ``generate`` (beams or samples). Greedy (``expand == 1``): exactly
+    ``sum(ceil((prompt + new - 1) / block))`` plus the null block. Beams / samples: an upper bound, every
+    expanded row holding its own prompt and new tokens plus one copy-on-write block, plus the null block."""
     if expand == 1:
         return paged_blocks(stored_tokens(prompt_lens, new_tokens), block_size) + 1
     return expand * (paged_blocks([p + new_tokens for p in prompt_lens], block_size) + len(prompt_lens)) + 1
