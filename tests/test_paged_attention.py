@@ -129,7 +129,7 @@ def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        gathers = count_calls(monkeypatch, block_attention, "_gather_head_major")
+        gathers = count_calls(monkeypatch, block_attention, "_gather_row_major")
         by_rows = paged_logits(model, batch, spans, num_blocks=48)
         assert gathers  # the decode steps after the rows' first new blocks (the ones before read views)
         monkeypatch.setattr(block_attention, "gathers_rows", lambda: False)
@@ -145,20 +145,16 @@ def test_product_attention_matches_sdpa(groups):
     generator = torch.Generator().manual_seed(groups)
     rows, heads, length, dim = 5, 2, 9, 8
     query = torch.randn(rows, heads, groups, dim, generator=generator)
-    keys = torch.randn(heads, rows, length, dim, generator=generator)
-    values = torch.randn(heads, rows, length, dim + 2, generator=generator)
+    keys = torch.randn(rows, heads, length, dim, generator=generator)
+    values = torch.randn(rows, heads, length, dim + 2, generator=generator)
     seen = torch.arange(length) >= torch.tensor([8, 0, 3, 5, 0]).unsqueeze(1)  # [n, kv]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=seen[:, None, None, :], scale=0.3
+        query, keys, values, attn_mask=seen[:, None, None, :], scale=0.3
     )  # [n, H, g, Dv]
-    got = block_attention.product_attention(
-        query, keys.reshape(-1, dim), values.reshape(-1, dim + 2), seen[:, None, None, :], 0.3
-    )
+    got = block_attention.product_attention(query, keys, values, seen[:, None, None, :], 0.3)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    unmasked = block_attention.product_attention(query, keys.reshape(-1, dim), values.reshape(-1, dim + 2), None, 0.3)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, keys.transpose(0, 1), values.transpose(0, 1), scale=0.3
-    )
+    unmasked = block_attention.product_attention(query, keys, values, None, 0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=0.3)
     torch.testing.assert_close(unmasked, expected, atol=1e-6, rtol=1e-6)
 
 

@@ -104,19 +104,22 @@ class PaddedKeys:
     # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `groups` stay whole,
     # for attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
     shared: SharedPrefix | None = None
-    # (heads, storage slots) -> `head_major_rows` of that storage: the same for every layer of the step
-    _head_major: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    # (heads, storage slots) -> `row_major_rows` of that storage: the same for every layer of the step
+    _row_major: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def head_major_rows(self, heads: int, capacity: int) -> torch.Tensor:
-        """``[H * N]``: the rows of a ``[H * capacity, D]`` view of ``[H, capacity, D]`` storage that hold every
-        group's keys, group after group and, within a group, head after head: so one ``index_select`` gives
-        each group's ``[H * n * kv, D]`` keys contiguous, a ready ``[H * n, kv, D]`` batch of matrices."""
+    def row_major_rows(self, heads: int, capacity: int) -> torch.Tensor:
+        """``[N * H]``: the rows of a ``[H * capacity, D]`` view of ``[H, capacity, D]`` storage that hold every
+        group's keys, group after group and, within a group, row after row, then head after head: so one
+        ``index_select`` gives each group's keys as a contiguous ``[n, H, kv, D]``, SDPA's own layout."""
         key = (heads, capacity)
-        if key not in self._head_major:
-            offsets = torch.arange(heads, device=self.slots.device).unsqueeze(1) * capacity  # [H, 1]
+        if key not in self._row_major:
+            offsets = torch.arange(heads, device=self.slots.device).view(1, heads, 1) * capacity  # [1, H, 1]
             parts = self.slots.split(self.group_sizes())  # per group [n * kv]
-            self._head_major[key] = torch.cat([(offsets + part).reshape(-1) for part in parts])  # [H * N]
-        return self._head_major[key]
+            self._row_major[key] = torch.cat([
+                (offsets + part.view(-1, 1, length)).reshape(-1)  # [n, H, kv] -> [n * H * kv]
+                for part, length in zip(parts, (group.length for group in self.groups))
+            ])
+        return self._row_major[key]
 
     def group_sizes(self) -> list[int]:
         """Each group's ``n * kv`` slots in `slots`."""
@@ -284,23 +287,22 @@ def _attend_decode(
         key_storage, value_storage = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
         plain_storage = key_storage is not None and value_storage is not None
         by_products = by_products and plain and query.dtype == torch.float32 and plain_storage
-        head_major = plain_storage and (by_products or gathers_rows())
-        if head_major:
-            keys, values = _gather_head_major(key_storage, padded), _gather_head_major(value_storage, padded)
+        row_major = plain_storage and (by_products or gathers_rows())
+        if row_major:
+            keys, values = _gather_row_major(key_storage, padded), _gather_row_major(value_storage, padded)
         else:
             keys = inputs.keys.gather(padded.slots)  # [H, N, D]: every group's keys, one copy
             values = inputs.values.gather(padded.slots)  # [H, N, Dv]
-    # per group [H, n * kv, D] (contiguous when gathered head-major)
-    key_parts, value_parts = _group_parts(keys, padded, head_major), _group_parts(values, padded, head_major)
+    # per group [n, H, kv, D] (contiguous when gathered row-major)
+    key_parts, value_parts = _group_parts(keys, padded, row_major), _group_parts(values, padded, row_major)
 
     def attend_group(
         row_query: torch.Tensor, group_keys: torch.Tensor, group_values: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        # [n, H, g, Dv] from [n, H, g, D] queries over the group's [H, n * kv, D] keys
+        # [n, H, g, Dv] from [n, H, g, D] queries over the group's [n, H, kv, D] keys
         if by_products:
             return product_attention(row_query, group_keys, group_values, mask, scale)
-        rows = row_query.shape[0]
-        return attend(row_query, by_row(group_keys, rows), by_row(group_values, rows), mask)
+        return attend(row_query, group_keys, group_values, mask)
 
     if padded.groups[0].rows is None:  # one group of every row
         out = attend_group(grouped, key_parts[0], value_parts[0], padded.groups[0].mask)
@@ -313,27 +315,30 @@ def _attend_decode(
 
 def gathers_rows() -> bool:
     """Whether a decode step gathers its keys as rows of the storage seen as ``[H * slots, D]``
-    (`_gather_head_major`): one ``index_select`` that several threads share, where a select along the slots of
+    (`_gather_row_major`): one ``index_select`` that several threads share, where a select along the slots of
     ``[H, slots, D]`` runs on one (SmolLM2's gather of 16 rows of 300 keys: 0.24 against 0.35 ms at two
     threads). At one thread the select along the slots is the faster (0.32 against 0.35 ms)."""
     return torch.get_num_threads() > 1
 
 
-def _gather_head_major(storage: torch.Tensor, padded: PaddedKeys) -> torch.Tensor:
-    """``[H * N, D]``: every group's keys (or values) from ``[H, slots, D]`` storage, group after group, each
-    group's ``[H, n, kv, D]`` contiguous (`PaddedKeys.head_major_rows`); a copy."""
+def _gather_row_major(storage: torch.Tensor, padded: PaddedKeys) -> torch.Tensor:
+    """``[N * H, D]``: every group's keys (or values) from ``[H, slots, D]`` storage, group after group, each
+    group's ``[n, H, kv, D]`` contiguous (`PaddedKeys.row_major_rows`); a copy."""
     heads, capacity, dim = storage.shape
-    return storage.view(heads * capacity, dim).index_select(0, padded.head_major_rows(heads, capacity))
+    return storage.view(heads * capacity, dim).index_select(0, padded.row_major_rows(heads, capacity))
 
 
-def _group_parts(gathered: torch.Tensor, padded: PaddedKeys, head_major: bool) -> list[torch.Tensor]:
-    """Each group's ``[H, n * kv, D]`` keys (or values) out of a decode step's one gather: ``[H * N, D]`` from
-    `_gather_head_major` (each group's part contiguous), else ``[H, N, D]`` (each a slice along the slots)."""
+def _group_parts(gathered: torch.Tensor, padded: PaddedKeys, row_major: bool) -> list[torch.Tensor]:
+    """Each group's ``[n, H, kv, D]`` keys (or values) out of a decode step's one gather: ``[N * H, D]`` from
+    `_gather_row_major` (each group's part contiguous), else ``[H, N, D]`` (each a view of a slice along the
+    slots)."""
     sizes = padded.group_sizes()
-    if not head_major:
-        return list(gathered.split(sizes, 1))
+    lengths = [group.length for group in padded.groups]
+    if not row_major:
+        return [by_row(part, n_kv // kv) for part, n_kv, kv in zip(gathered.split(sizes, 1), sizes, lengths)]
     heads = gathered.shape[0] // sum(sizes)
-    return [part.view(heads, -1, gathered.shape[-1]) for part in gathered.split([heads * n for n in sizes])]
+    parts = gathered.split([heads * n_kv for n_kv in sizes])
+    return [part.view(n_kv // kv, heads, kv, gathered.shape[-1]) for part, n_kv, kv in zip(parts, sizes, lengths)]
 
 
 def product_attention(
@@ -347,20 +352,18 @@ def product_attention(
 
     Args:
         query: ``[n, H, g, D]``, the `g` query heads sharing key/value head `h` as rows of it.
-        keys: ``[H, n * kv, D]`` or ``[H * n * kv, D]``, contiguous (head, then row, then position); values:
-            ``[H, n * kv, Dv]`` or ``[H * n * kv, Dv]`` likewise.
+        keys: ``[n, H, kv, D]``, contiguous; values: ``[n, H, kv, Dv]`` likewise.
         mask: ``[n, 1, 1, kv]`` True where the row's query sees the key (at least one), or None for all.
     """
     rows, heads, groups, dim = query.shape
-    keys = keys.view(heads * rows, -1, dim)  # [H * n, kv, D]
-    length = keys.shape[1]
-    scaled = (query * scale).transpose(0, 1).reshape(heads * rows, groups, dim)  # [H * n, g, D]
-    scores = torch.bmm(scaled, keys.transpose(1, 2))  # [H * n, g, kv]
+    length = keys.shape[2]
+    scaled = (query * scale).reshape(rows * heads, groups, dim)  # [n * H, g, D]
+    scores = torch.bmm(scaled, keys.view(rows * heads, length, dim).transpose(1, 2))  # [n * H, g, kv]
     if mask is not None:
-        scores.view(heads, rows, groups, length).masked_fill_(~mask.view(1, rows, 1, length), float("-inf"))
+        scores.view(rows, heads, groups, length).masked_fill_(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    out = torch.bmm(weights, values.view(heads * rows, length, -1))  # [H * n, g, Dv]
-    return out.view(heads, rows, groups, -1).transpose(0, 1)
+    out = torch.bmm(weights, values.view(rows * heads, length, -1))  # [n * H, g, Dv]
+    return out.view(rows, heads, groups, -1)
 
 
 def _attend_cascade(
