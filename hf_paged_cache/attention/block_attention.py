@@ -114,18 +114,21 @@ class PaddedKeys:
         key = (heads, capacity)
         if key not in self._row_major:
             offsets = torch.arange(heads, device=self.slots.device).view(1, heads, 1) * capacity  # [1, H, 1]
-            parts = self.slots.split(self.group_sizes())  # per group [n * kv]
+            shapes = self.group_shapes()
+            parts = self.slots.split([rows * length for rows, length in shapes])  # per group [n * kv]
             self._row_major[key] = torch.cat([
-                (offsets + part.view(-1, 1, length)).reshape(-1)  # [n, H, kv] -> [n * H * kv]
-                for part, length in zip(parts, (group.length for group in self.groups))
+                (offsets + part.view(rows, 1, length)).reshape(-1)  # [n, H, kv] -> [n * H * kv]
+                for part, (rows, length) in zip(parts, shapes)
             ])
         return self._row_major[key]
 
-    def group_sizes(self) -> list[int]:
-        """Each group's ``n * kv`` slots in `slots`."""
+    def group_shapes(self) -> list[tuple[int, int]]:
+        """Each group's ``(n, kv)``: its rows, and the key positions read for each (its ``n * kv`` slots in
+        `slots`)."""
         if self.groups[0].rows is None:  # one group of every row
-            return [self.slots.shape[0]]
-        return [len(group.rows) * group.length for group in self.groups]
+            length = self.groups[0].length
+            return [(self.slots.shape[0] // length, length)]
+        return [(len(group.rows), group.length) for group in self.groups]
 
 
 @dataclass
@@ -332,13 +335,13 @@ def _group_parts(gathered: torch.Tensor, padded: PaddedKeys, row_major: bool) ->
     """Each group's ``[n, H, kv, D]`` keys (or values) out of a decode step's one gather: ``[N * H, D]`` from
     `_gather_row_major` (each group's part contiguous), else ``[H, N, D]`` (each a view of a slice along the
     slots)."""
-    sizes = padded.group_sizes()
-    lengths = [group.length for group in padded.groups]
+    shapes = padded.group_shapes()
+    sizes = [rows * length for rows, length in shapes]  # per group n * kv
     if not row_major:
-        return [by_row(part, n_kv // kv) for part, n_kv, kv in zip(gathered.split(sizes, 1), sizes, lengths)]
+        return [by_row(part, rows) for part, (rows, _) in zip(gathered.split(sizes, 1), shapes)]
     heads = gathered.shape[0] // sum(sizes)
-    parts = gathered.split([heads * n_kv for n_kv in sizes])
-    return [part.view(n_kv // kv, heads, kv, gathered.shape[-1]) for part, n_kv, kv in zip(parts, sizes, lengths)]
+    parts = gathered.split([heads * size for size in sizes])
+    return [part.view(rows, heads, length, gathered.shape[-1]) for part, (rows, length) in zip(parts, shapes)]
 
 
 def product_attention(
