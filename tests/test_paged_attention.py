@@ -139,6 +139,35 @@ def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost
     assert torch.equal(by_rows, along_slots)
 
 
+@pytest.mark.parametrize("call_cost", [step_module.DECODE_CALL_COST, 0])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_decode_steps_splitting_query_heads_match_one_uncached_forward(monkeypatch, model_type, call_cost):
+    # at two threads a decode step hands SDPA its query heads one by one ([n, Hq, 1, D], enable_gqa) instead of
+    # as the query rows of their key/value head: from views (the first steps) and from gathered groups alike
+    assert block_attention.splits_query_heads() is False  # the suite runs at one thread
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert block_attention.splits_query_heads() is True
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(block_attention, "splits_query_heads", lambda: True)
+    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
+    split_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(query, *args, **kwargs):
+        split_calls.append(kwargs.get("enable_gqa", False) and query.shape[2] == 1)
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    model = tiny_model(model_type)
+    set_paged_attention(model)
+    batch = ragged_batch([0, 7, 13], 40, seed=3)
+    assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
+    assert sum(split_calls) >= 20 * model.config.num_hidden_layers  # every decode step's layers split the heads
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_product_attention_matches_sdpa(groups):
     # 5 rows of 1 to 9 seen keys (left padding masked), 2 key/value heads of `groups` query heads each

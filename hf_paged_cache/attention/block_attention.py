@@ -20,7 +20,8 @@ blocks follow each other, or a fresh batch), each row attends instead from a str
 copy at all. When the rows share their first keys in consecutive slots (beams, or samples of one prompt,
 reading the prompt's blocks), the shared keys are attended once for all rows from a view and only each row's
 own tail is gathered; the two partial softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade
-attention).
+attention). At more than one thread, float32 decode steps hand SDPA each query head as a row of its own rather
+than folded into its key/value head's rows, which gives the threads more work to share (`splits_query_heads`).
 
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
@@ -270,10 +271,19 @@ def _attend_decode(
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, heads, groups, key_dim)
 
+    split_heads = groups > 1 and query.dtype == torch.float32 and splits_query_heads()
+
     def attend(row_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-        if softcap is None and sinks is None:
+        # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys (a mask: [n, 1, 1, kv])
+        if softcap is not None or sinks is not None:
+            return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
+        if not split_heads:
             return F.scaled_dot_product_attention(row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale)
-        return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
+        rows = row_query.shape[0]
+        return F.scaled_dot_product_attention(
+            row_query.reshape(rows, query_heads, 1, key_dim), keys, values, attn_mask=mask, dropout_p=dropout,
+            scale=scale, enable_gqa=True,
+        ).view(rows, heads, groups, -1)  # [n, Hq, 1, Dv] -> [n, H, g, Dv]
 
     with inputs.lock.shared():
         if padded.runs is not None:  # views of the storage: read them before letting the lock go
@@ -321,6 +331,22 @@ def gathers_rows() -> bool:
     (`_gather_row_major`): one ``index_select`` that several threads share, where a select along the slots of
     ``[H, slots, D]`` runs on one (SmolLM2's gather of 16 rows of 300 keys: 0.24 against 0.35 ms at two
     threads). At one thread the select along the slots is the faster (0.32 against 0.35 ms)."""
+    return torch.get_num_threads() > 1
+
+
+def splits_query_heads() -> bool:
+    """Whether float32 decode steps hand SDPA their query heads one by one (``[n, Hq, 1, D]`` with
+    ``enable_gqa``, as transformers' ``sdpa`` does) rather than as the query rows of their key/value head
+    (``[n, H, g, D]``): at more than one thread.
+
+    SDPA's CPU kernel shares its work among threads by (row, head) pair: a row of SmolLM2 (3 key/value heads,
+    9 query heads) gives two threads 3 pairs grouped and 9 split. Alternated decode steps at two threads
+    (SmolLM2, packed linear layers) ran 1.03x-1.05x faster split at batch 1 (512 keys), 1.02x-1.04x on ragged
+    rows and 1.03x on 16 equal rows. At one thread grouped is as fast or faster (0.99x split at batch 1 and on
+    11 ragged rows). In bfloat16 the kernel is slow with one query row per head (16 rows of 301 keys, 30
+    layers: 115 against 23 ms at two threads), so bfloat16 stays grouped. The same values either way up to
+    float32 summation order (SmolLM2 at batch 1: `DynamicCache`'s logits to the last bit).
+    """
     return torch.get_num_threads() > 1
 
 
