@@ -342,8 +342,9 @@ def splits_query_heads() -> bool:
     SDPA's CPU kernel shares its work among threads by (row, head) pair: a row of SmolLM2 (3 key/value heads,
     9 query heads) gives two threads 3 pairs grouped and 9 split. Alternated decode steps at two threads
     (SmolLM2, packed linear layers) ran 1.03x-1.05x faster split at batch 1 (512 keys), 1.02x-1.04x on ragged
-    rows and 1.03x on 16 equal rows. At one thread grouped is as fast or faster (0.99x split at batch 1 and on
-    11 ragged rows). In bfloat16 the kernel is slow with one query row per head (16 rows of 301 keys, 30
+    rows and 1.03x on 16 equal rows; with the stock linear kernels, 1.01x at batch 1 and 0.98x-1.01x on
+    ragged and equal rows, within noise. At one thread grouped is as fast or faster (0.99x split at batch 1
+    and on 11 ragged rows). In bfloat16 the kernel is slow with one query row per head (16 rows of 301 keys, 30
     layers: 115 against 23 ms at two threads), so bfloat16 stays grouped. The same values either way up to
     float32 summation order (SmolLM2 at batch 1: `DynamicCache`'s logits to the last bit).
     """
