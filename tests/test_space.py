@@ -559,6 +559,19 @@ def served(browser, tiny) -> Iterator[tuple[str, app.SharedPools, PreTrainedMode
             demo.close()
 
 
+def fill_once_mounted(field, initial: str, text: str) -> None:
+    """Fill a Gradio text field once it shows its `initial` value, and wait until it holds `text`.
+
+    Gradio mounts a tab's fields when the tab is first shown (the page's first tab on load); a field filled
+    before its mount ends can get its initial value back, and the request then runs with it.
+    """
+    from playwright.sync_api import expect
+
+    expect(field).to_have_value(initial)
+    field.fill(text)
+    expect(field).to_have_value(text)
+
+
 def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     url, pools, model = served
     page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -566,9 +579,10 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     page.goto(url)
 
     # a ragged batch of 3 prompts
-    page.locator("#batch-prompts textarea").fill(BATCH)
+    fill_once_mounted(page.locator("#batch-prompts textarea"), "\n".join(app.DEFAULT_PROMPTS), BATCH)
     if not REAL_MODEL:  # the tiny model reads 256 characters at most
-        page.locator("#batch-system textarea").fill("Be brief and kind; answer in one sentence.")
+        fill_once_mounted(page.locator("#batch-system textarea"), app.DEFAULT_SYSTEM,
+                          "Be brief and kind; answer in one sentence.")
     page.locator("#run-batch").click()
     rows = page.locator("#batch-outputs tr.batch-row")
     rows.nth(2).wait_for()
@@ -619,9 +633,10 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     other_page = browser.new_page()
     other_page.set_default_timeout(60_000)
     other_page.goto(url)
-    other_page.locator("#batch-prompts textarea").fill("Name a colour.\nName a fruit.")
+    fill_once_mounted(other_page.locator("#batch-prompts textarea"), "\n".join(app.DEFAULT_PROMPTS),
+                      "Name a colour.\nName a fruit.")
     if not REAL_MODEL:
-        other_page.locator("#batch-system textarea").fill("Be brief.")
+        fill_once_mounted(other_page.locator("#batch-system textarea"), app.DEFAULT_SYSTEM, "Be brief.")
     page.locator("#batch-prompts textarea").fill(BATCH + "\nName a planet.")
     other_page.locator("#run-batch").click()
     page.locator("#run-batch").click()
@@ -634,9 +649,10 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
 
     # chat: the second turn reuses the first turn's blocks
     page.get_by_role("tab", name="Chat").click()
-    page.locator("#chat-system textarea").fill("Be brief.")  # keeps the tiny model's 256-token context enough
+    # a short system prompt keeps the tiny model's 256-token context enough (the default one would not)
+    fill_once_mounted(page.locator("#chat-system textarea"), app.DEFAULT_SYSTEM, "Be brief.")
     for turn, message in enumerate(("Hello! What is a KV cache?", "Why split it into blocks?"), start=1):
-        page.locator("#chat-input textarea").fill(message)
+        fill_once_mounted(page.locator("#chat-input textarea"), "", message)
         page.locator("#chat-send").click()
         page.locator("#chat-stats tbody tr").nth(turn - 1).wait_for()
     cells = [row.locator("td").all_inner_texts() for row in page.locator("#chat-stats tbody tr").all()]
@@ -658,11 +674,11 @@ def test_browser_plan_tab(browser, served):
     page.get_by_role("tab", name="Plan").click()
     output = page.locator("#plan-output")
     output.get_by_text("rows that fit in 24 GiB").wait_for()  # the demo model's plan, shown on load
-    page.locator("#plan-lengths textarea, #plan-lengths input").first.fill("100, 7, 30")
+    fill_once_mounted(page.locator("#plan-lengths textarea, #plan-lengths input").first, "512", "100, 7, 30")
     page.locator("#run-plan").click()
     output.get_by_text("3 rows: prompts of 100, 7, 30 tokens").wait_for()
     assert "PagedCache" in output.inner_text() and "Assumptions" in output.inner_text()
-    page.locator("#plan-hub-id textarea, #plan-hub-id input").first.fill("/etc/passwd")
+    fill_once_mounted(page.locator("#plan-hub-id textarea, #plan-hub-id input").first, "", "/etc/passwd")
     page.locator("#run-plan").click()
     page.get_by_text("local paths are not read").first.wait_for()
     assert "Traceback" not in page.content()
