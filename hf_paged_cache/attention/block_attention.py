@@ -277,13 +277,12 @@ def _attend_decode(
         # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys (a mask: [n, 1, 1, kv])
         if softcap is not None or sinks is not None:
             return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
-        if not split_heads:
-            return F.scaled_dot_product_attention(row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale)
         rows = row_query.shape[0]
+        if split_heads:
+            row_query = row_query.reshape(rows, query_heads, 1, key_dim)  # [n, Hq, 1, D]
         return F.scaled_dot_product_attention(
-            row_query.reshape(rows, query_heads, 1, key_dim), keys, values, attn_mask=mask, dropout_p=dropout,
-            scale=scale, enable_gqa=True,
-        ).view(rows, heads, groups, -1)  # [n, Hq, 1, Dv] -> [n, H, g, Dv]
+            row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=split_heads
+        ).view(rows, heads, groups, -1)  # [n, Hq, 1, Dv] or [n, H, g, Dv] -> [n, H, g, Dv]
 
     with inputs.lock.shared():
         if padded.runs is not None:  # views of the storage: read them before letting the lock go
