@@ -14,7 +14,8 @@ reference):
 4. **batcher**: `ContinuousBatcher` on a fixed KV budget (``--budget``, default: 4 of the longest requests
    in float32 blocks, too small for the whole batch) serving ``--num-requests`` requests that all arrive at
    once (ShareGPT-shaped lengths, prompts ``--min-prompt`` to ``--max-prompt``, ``--min-new`` to ``--max-new``
-   new tokens, EOS off); the most requests in flight at once (polled) and output tokens/s, rounds alternated.
+   new tokens, EOS off); the most requests decoding at once (between their first token and their end, from
+   the handles' times) and output tokens/s, rounds alternated.
 
 Command (the numbers in the README)::
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_paged_cache import ContinuousBatcher, KVPool, PagedCache, set_paged_attention
+from hf_paged_cache import ContinuousBatcher, KVPool, PagedCache, RequestHandle, set_paged_attention
 from hf_paged_cache.bench import (
     format_table,
     in_fresh_thread,
@@ -172,25 +172,25 @@ def batcher_requests(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 def batcher_round(model: PreTrainedModel, requests: list[tuple[list[int], int]], kv_dtype: str,
                   budget: int) -> dict[str, Any]:
     with ContinuousBatcher(model, max_memory=budget, kv_dtype=stored(kv_dtype)) as batcher:
-        most, done = 0, threading.Event()
-
-        def watch() -> None:
-            nonlocal most
-            while not done.is_set():
-                stats = batcher.stats()
-                most = max(most, stats.running + stats.prefilling)
-                time.sleep(0.005)
-
-        watcher = threading.Thread(target=watch, daemon=True)
         start = time.perf_counter()
         handles = [batcher.submit(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
                    for prompt, new in requests]
-        watcher.start()
         tokens = sum(len(handle.result()) for handle in handles)
         seconds = time.perf_counter() - start
-        done.set()
-        watcher.join()
-        return {"tokens_per_s": tokens / seconds, "most_in_flight": most, "blocks": batcher.pool.blocks.capacity}
+        return {"tokens_per_s": tokens / seconds, "most_in_flight": most_decoding_at_once(handles),
+                "blocks": batcher.pool.blocks.capacity}
+
+
+def most_decoding_at_once(handles: Sequence[RequestHandle]) -> int:
+    """The most requests that were at once between their first token and their end (the handles' own times):
+    rows the pool held together. Exact, where polling the batcher's counts misses runs shorter than its period."""
+    # (time, 0, +1) at each first token and (time, 1, -1) at each end: at equal times the start comes first
+    events = sorted([(h.first_token_time, 0, 1) for h in handles] + [(h.finish_time, 1, -1) for h in handles])
+    most = now = 0
+    for _, _, change in events:
+        now += change
+        most = max(most, now)
+    return most
 
 
 def batcher_speed(model: PreTrainedModel, requests: list[tuple[list[int], int]], kv_dtypes: Sequence[str],
