@@ -18,6 +18,10 @@ tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm``
 ``--prompt-lens`` gives the batch: lengths separated by commas, ``LxN`` for ``N`` rows of ``L`` tokens (e.g.
 ``512`` for batch 1, ``300x16`` for 16 equal rows, ``60,150,250,400,550,700,850,1000`` for a ragged batch).
 
+``--fixed-cost`` times the model's architecture with its widths cut to a few units (`hf_paged_cache.bench.narrowed`:
+the same layers, heads, vocabulary and caches, random weights): its products cost next to nothing, so each
+variant's step time is what a step costs it beyond the math (Python, the cache's bookkeeping, op dispatch).
+
 Commands (the CPU runs reported in the README)::
 
     python scripts/bench_steps.py --threads 1 --prompt-lens 512 --pad-heap --out results/bench_steps_b1_t1.json
@@ -45,6 +49,7 @@ from hf_paged_cache.bench import (
     left_pad,
     load,
     median,
+    narrowed,
     pad_token_id,
     paged_pool_blocks,
     percentile,
@@ -80,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pad-heap", action="store_true",
                         help="keep freed memory in the heap (pad_heap, as the server does) for every variant "
                         "alike (without it: glibc's own settings)")
+    parser.add_argument("--fixed-cost", action="store_true",
+                        help="time the model's architecture with its widths cut to a few units (random weights): "
+                        "what a step costs beyond its products")
     parser.add_argument("--packed-linears", action="store_true",
                         help="multiply through oneDNN-packed weights (pack_linears, as the server does on a "
                         "CPU) for every variant alike (without it: the stock kernels)")
@@ -189,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.pad_heap and not pad_heap():
         print("--pad-heap: not glibc, malloc left as is", file=sys.stderr)
     model, tokenizer = load(args)
+    if args.fixed_cost:
+        model = narrowed(model, seed=args.seed)
     if args.packed_linears:
         pack_linears(model)
     workload = fixed_length_workload(args.prompt_lens, seed=args.seed, output_len=args.steps,
@@ -201,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),
+        "hidden_size": model.config.get_text_config(decoder=True).hidden_size,  # narrowed with --fixed-cost
         "threads": torch.get_num_threads(),
         "prompt_lens": args.prompt_lens,
         "reference": args.variants[0],
@@ -224,7 +235,8 @@ def print_report(payload: dict[str, Any]) -> None:
             "max |logit diff|": f"{r['max_abs_logit_diff']:.1e}" if "speed" in r else "",
             "same tokens": r.get("same_greedy_tokens", ""),
         })
-    print(f"\n{payload['model']} {payload['dtype']}, {payload['threads']} threads, "
+    narrowed_to = f" narrowed to hidden size {payload['hidden_size']} (--fixed-cost)" if args["fixed_cost"] else ""
+    print(f"\n{payload['model']}{narrowed_to} {payload['dtype']}, {payload['threads']} threads, "
           f"{len(payload['prompt_lens'])} rows, {args['steps']} decode steps alternated "
           f"(after {args['warmup_steps']} untimed)")
     print(format_table(rows, list(rows[0])))

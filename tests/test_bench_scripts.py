@@ -26,11 +26,13 @@ from hf_paged_cache.bench import (
     in_fresh_thread,
     kv_bytes_per_token,
     left_pad,
+    narrowed,
     paged_blocks,
     sharegpt_workload,
     static_cache_reserved_bytes,
     stored_tokens,
 )
+from hf_paged_cache.bench.narrow import NARROW_HEAD_DIM
 from tiny_models import VOCAB, tiny_model
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -259,6 +261,39 @@ def test_bench_steps_alternates_the_same_steps(tiny_dir: str, results_dir: Path)
             low, high = r["speed_quartiles"]
             assert 0 < low <= r["speed"] <= high
             assert r["same_greedy_tokens"] is True and r["max_abs_logit_diff"] < 1e-5
+
+
+def test_bench_steps_fixed_cost_times_the_narrowed_architecture(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--prompt-lens", "20,9", "--steps", "3", "--warmup-steps", "1", "--fixed-cost"]
+    result = run_script("bench_steps", args, results_dir / "bench_steps_fixed_cost.json")
+    heads = tiny_model("llama").config.num_attention_heads
+    assert result["args"]["fixed_cost"] is True and result["hidden_size"] == heads * NARROW_HEAD_DIM
+    paged = result["variants"]["paged_sdpa"]
+    assert len(paged["step_seconds"]) == 3 and paged["same_greedy_tokens"] is True
+    assert paged["max_abs_logit_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_narrowed_keeps_the_architecture_and_cuts_its_widths(arch: str) -> None:
+    model = tiny_model(arch)
+    before = torch.random.get_rng_state()
+    narrow = narrowed(model, head_dim=4, intermediate_size=8, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's random stream is untouched
+    config, cut = model.config, narrow.config
+    assert type(narrow) is type(model) and cut.num_hidden_layers == config.num_hidden_layers
+    assert (cut.num_attention_heads, cut.num_key_value_heads) == (config.num_attention_heads, config.num_key_value_heads)
+    assert cut.vocab_size == config.vocab_size and getattr(cut, "layer_types", None) == getattr(config, "layer_types", None)
+    assert (cut.head_dim, cut.hidden_size, cut.intermediate_size) == (4, config.num_attention_heads * 4, 8)
+    assert not narrow.training and narrow.dtype == model.dtype
+    same_seed = narrowed(model, head_dim=4, intermediate_size=8, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(narrow.state_dict().values(), same_seed.state_dict().values()))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert narrow(input_ids=ids).logits.shape == (1, 4, config.vocab_size)
+
+
+def test_narrowed_refuses_a_config_without_widths() -> None:
+    with pytest.raises(ValueError, match="GPT2LMHeadModel: its text config has no intermediate_size"):
+        narrowed(tiny_model("gpt2"))  # GPT-2 names its MLP width n_inner
 
 
 def test_bench_steps_reads_its_batch_and_refuses_one_variant() -> None:

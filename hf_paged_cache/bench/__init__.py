@@ -4,7 +4,8 @@
 - `kv_bytes`: KV byte accounting for dense and paged caches;
 - `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
 - `variants`: the caches the scripts compare and the attention each runs with;
-- `report`: shared command-line options, model loading, JSON and markdown output.
+- `report`: shared command-line options, model loading, JSON and markdown output;
+- `narrow`: a model's architecture with its widths cut, to time a step's fixed cost.
 
 Nothing in the core package imports this subpackage.
 """
@@ -18,6 +19,7 @@ from .kv_bytes import (
     stored_tokens,
     used_bytes,
 )
+from .narrow import narrowed
 from .report import (
     add_common_args,
     format_table,
@@ -78,6 +80,7 @@ __all__ = [
     "machine_info",
     "median",
     "mib",
+    "narrowed",
     "pad_token_id",
     "paged_blocks",
     "paged_pool_blocks",
