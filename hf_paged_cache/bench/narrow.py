@@ -46,13 +46,10 @@ def narrowed(
     text.head_dim = head_dim
     text.hidden_size = text.num_attention_heads * head_dim
     text.intermediate_size = intermediate_size
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+        torch.manual_seed(seed)
         narrow = AutoModelForCausalLM.from_config(
             config, dtype=model.dtype, attn_implementation=model.config._attn_implementation
-        )
-    finally:
-        torch.random.set_rng_state(generator_state)  # the caller's random stream is left as it was
+        )  # built on the CPU, moved below
     narrow.generation_config = copy.deepcopy(model.generation_config)
     return narrow.to(model.device).eval()
