@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import hf_paged_cache.attention.block_attention as block_attention
 from hf_paged_cache import PagedCache
 from hf_paged_cache.attention.block_attention import merge_attention
+from hf_paged_cache.cache.block_table import RowsView
 from hf_paged_cache.cache.step import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS, StepIndex
 from tiny_models import VOCAB, tiny_model
 
@@ -32,9 +33,11 @@ def test_merging_two_halves_gives_attention_over_both(dtype):
     torch.testing.assert_close(merged.float(), whole, rtol=0, atol=tolerance)
 
 
-def _decode_index(read_slots: torch.Tensor, is_real: torch.Tensor) -> StepIndex:
-    length = read_slots.shape[1]
-    return StepIndex(torch.zeros(0, dtype=torch.long), None, read_slots, is_real, past_length=length - 1)
+def _decode_index(slots: torch.Tensor, is_real: torch.Tensor) -> StepIndex:
+    """A decode step's index whose rows' real tokens sit at `slots` ``[B, L]`` (blocks of one slot each)."""
+    tables = [row[real].tolist() for row, real in zip(slots, is_real)]
+    rows = RowsView(tables, [len(table) for table in tables], block_size=1)
+    return StepIndex(torch.zeros(0, dtype=torch.long), None, rows, is_real, past_length=is_real.shape[1] - 1)
 
 
 def test_a_decode_step_finds_the_keys_its_rows_share():

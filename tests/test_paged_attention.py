@@ -9,6 +9,7 @@ import hf_paged_cache.cache.layer_io as layer_io
 import hf_paged_cache.cache.step as step_module
 from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.attention import block_attention
+from hf_paged_cache.cache.block_table import RowsView
 from hf_paged_cache.pool.kv_format import StoredStates
 
 
@@ -231,25 +232,31 @@ def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(mon
 
 
 def test_consecutive_runs():
-    slots = torch.tensor([[0, 0, 35, 36, 37], [16, 17, 18, 19, 20]])
-    real = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
-    assert step_module.consecutive_runs(slots, real) == [(35, 3), (16, 5)]
-    assert step_module.consecutive_runs(torch.tensor([[16, 17, 40, 41]]), torch.ones(1, 4, dtype=torch.bool)) is None
-    assert step_module.consecutive_runs(torch.tensor([[17, 16]]), torch.ones(1, 2, dtype=torch.bool)) is None
-    assert step_module.consecutive_runs(torch.tensor([[0, 0]]), torch.zeros(1, 2, dtype=torch.bool)) is None
+    def runs(tables, num_tokens):
+        return step_module.consecutive_runs(RowsView(tables, num_tokens, block_size=4))
+
+    # the blocks holding each row's tokens follow each other (a partly filled last block included)
+    assert runs([[7, 8, 9], [4, 5]], [9, 5]) == [(28, 9), (16, 5)]
+    assert runs([[7, 8, 3]], [8]) == [(28, 8)]  # a block past the row's tokens is not read
+    assert runs([[4, 10]], [6]) is None  # a gap between blocks
+    assert runs([[5, 4]], [6]) is None  # blocks out of order
+    assert runs([[0, 1]], [6]) is None  # a null entry (a sliding window's given-back block)
+    assert runs([[]], [0]) is None  # a row with nothing stored
 
 
 def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
     # generate at batch size 1: the row's blocks are consecutive from the prefill on, so every decode step reads
-    # views of the pool (and returns before the gather)
+    # views of the pool (and returns before the gather), planned from the block lists alone
     model = tiny_model("llama")
     set_paged_attention(model)
     inputs = torch.tensor([[5, 9, 3, 7] * 6])  # 24 tokens: the decode steps cross into a third block
     expected = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=DynamicCache(config=model.config))
     views = count_calls(monkeypatch, StoredStates, "run")
+    slot_maps = count_calls(monkeypatch, step_module, "position_slots")
     paged = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=PagedCache(model))
     assert torch.equal(paged, expected)
     assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer
+    assert len(slot_maps) == 1  # the prefill's: no decode step maps every position to its slot
 
 
 def count_calls(monkeypatch, module, name: str) -> list[int]:

@@ -139,8 +139,8 @@ class PagedAttentionInputs:
     keys: StoredStates  # the layer's stored keys, [H, slots, key_dim], read as the model's dtype
     values: StoredStates  # [H, slots, value_dim] likewise
     num_kv_heads: int
-    row_keys: RowKeys
-    queries: QueryRows
+    row_keys: RowKeys | None  # None with `padded` (a decode step attends its rows in groups, not one by one)
+    queries: QueryRows | None  # likewise
     window: int | None  # the layer's sliding window
     lock: SharedExclusiveLock  # held while reading the storage (another thread may grow it)
     # ([B, H, q, key_dim], [B, H, q, value_dim]) the step's new keys and values, when some have no slot
@@ -286,12 +286,15 @@ def _attend_decode(
 
     with inputs.lock.shared():
         if padded.runs is not None:  # views of the storage: read them before letting the lock go
+            if batch_size == 1:
+                run = padded.runs[0]
+                out = attend(grouped, inputs.keys.run(*run), inputs.values.run(*run), None)  # [1, H, g, Dv]
+                return out.reshape(1, 1, query_heads, -1)
             outs = [
                 attend(grouped[b : b + 1], inputs.keys.run(*run), inputs.values.run(*run), None)
                 for b, run in enumerate(padded.runs)
             ]  # [1, H, g, Dv] each
-            out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, H, g, Dv]
-            return out.reshape(batch_size, 1, query_heads, -1)
+            return torch.cat(outs).reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
         plain = softcap is None and sinks is None and dropout == 0.0
         if padded.shared is not None and plain:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]

@@ -143,7 +143,7 @@ class PagedBatch:
 
     def index(self, group: int, device: torch.device) -> StepIndex:
         """The step in progress's slot index for layer group `group` on `device`."""
-        return build_index(self.step, group, self.groups[group], self.is_real, self.pool.block_size, device)
+        return build_index(self.step, group, self.groups[group], self.is_real, device)
 
     def commit(self) -> None:
         """Keep the step in progress (every layer has written it), register the blocks it filled, and give

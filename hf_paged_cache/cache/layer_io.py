@@ -45,10 +45,12 @@ def store_layer(
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
         if attention_kwargs is not None:
+            padded = index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None)
+            per_row = padded is None  # else a decode step's rows attend in groups: no per-row index is made
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
-                keys, values, keys.num_heads, index.row_keys(offset), index.queries(), window, lock,
-                (key_states, value_states) if index.new_from_states else None,
-                index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None),
+                keys, values, keys.num_heads, index.row_keys(offset) if per_row else None,
+                index.queries() if per_row else None, window, lock,
+                (key_states, value_states) if index.new_from_states else None, padded,
             )
             return key_states, value_states
         slots = index.read_slots_from(offset)  # [B * kv], keys and values alike
@@ -62,7 +64,8 @@ def store_layer(
 def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: StepIndex) -> None:
     """Store a layer's new keys (or values) ``[B, H, q, D]`` into its ``[H, slots, D]`` storage."""
     batch_size, heads, query_length, dim = new.shape
-    new = new.transpose(0, 1).reshape(heads, batch_size * query_length, dim)  # [H, B * q, D]
+    # [H, B * q, D] (at batch 1 a view, taken with one op: this runs twice per layer and step)
+    new = new[0] if batch_size == 1 else new.transpose(0, 1).reshape(heads, batch_size * query_length, dim)
     if index.write_rows is not None:
         new = new.index_select(1, index.write_rows)  # [H, N, D] real tokens only
     storage.write(index.write_slots, new)

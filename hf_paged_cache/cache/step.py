@@ -22,8 +22,9 @@ import torch
 
 from ..attention.block_attention import KeyGroup, PaddedKeys, QueryRows, RowKeys, SharedPrefix
 from ..errors import PoolExhaustedError
+from ..pool.block_pool import NULL_BLOCK
 from ..pool.kv_pool import KVPool
-from .block_table import BlockTables, TablesSavepoint, slots_for_positions
+from .block_table import BlockTables, RowsView, TablesSavepoint, slots_for_positions
 
 DECODE_CALL_COST = 256
 """What one SDPA call of a decode step costs beyond its keys, in key positions per row (`length_groups`).
@@ -69,13 +70,22 @@ class StepIndex:
 
     write_slots: torch.Tensor  # [N] pool slot of each stored new token
     write_rows: torch.Tensor | None  # [N] index into the flattened [B * q] new tokens; None = all of them
-    read_slots: torch.Tensor  # [B, L + q] pool slot of every position (padding -> null block)
+    rows: RowsView  # the group's block tables with the step's blocks taken (unchanged until the step ends)
     is_real: torch.Tensor  # [B, L + q] False where a position is padding
     past_length: int  # L: positions before this step's
     new_from_states: bool = False  # some real new tokens have no slot: attention reads new K/V from the states
+    _read_slots: torch.Tensor | None = None  # read_slots, once made
     _row_keys: dict[int, RowKeys] = field(default_factory=dict)  # row_keys, per offset
     _queries: QueryRows | None = None
     _padded: dict[tuple[int, int | None, bool], PaddedKeys | None] = field(default_factory=dict)  # decode_keys
+
+    @property
+    def read_slots(self) -> torch.Tensor:
+        """``[B, L + q]`` pool slot of every position (padding: the null block), made on first use: a decode step
+        whose rows attend from views of the pool (`decode_keys`) never needs it."""
+        if self._read_slots is None:
+            self._read_slots = position_slots(self.rows, self.is_real)
+        return self._read_slots
 
     @property
     def pool_end(self) -> int:
@@ -113,27 +123,28 @@ class StepIndex:
         of the query at position ``L``. Computed once per step for all layers alike. `views`: whether the
         storage can be read as views (stored as the model computes).
         """
-        if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
-            return None
         key = (offset, window, views)
         if key not in self._padded:
-            padded = None
-            mask = self.is_real[:, offset:]  # [B, kv]
-            if bool(self.is_real[:, -1].all()):  # else a padding query, which the per-row path leaves zero
-                if window is not None:
-                    positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
-                    mask = mask & (positions > self.past_length - window)
-                runs = None
-                if views and window is None and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
-                    runs = consecutive_runs(self.read_slots[:, offset:], mask)
-                if runs is not None:
-                    padded = PaddedKeys(None, [], runs)
-                else:
-                    padded = PaddedKeys(*self._key_groups(offset, mask))
-                    if views and window is None and mask.device.type == "cpu":
-                        padded.shared = self._shared_prefix(offset, mask)
-            self._padded[key] = padded
+            self._padded[key] = self._plan_decode(offset, window, views)
         return self._padded[key]
+
+    def _plan_decode(self, offset: int, window: int | None, views: bool) -> PaddedKeys | None:
+        if self.is_real.shape[1] - self.past_length != 1 or self.new_from_states:
+            return None  # not a decode step
+        if not bool(self.is_real[:, -1].all()):
+            return None  # a padding query, which the per-row path leaves zero
+        mask = self.is_real[:, offset:]  # [B, kv]
+        if window is not None:
+            positions = torch.arange(offset, self.is_real.shape[1], device=mask.device)  # [kv]
+            mask = mask & (positions > self.past_length - window)
+        elif views and offset == 0 and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
+            runs = consecutive_runs(self.rows)
+            if runs is not None:
+                return PaddedKeys(None, [], runs)
+        padded = PaddedKeys(*self._key_groups(offset, mask))
+        if views and window is None and mask.device.type == "cpu":
+            padded.shared = self._shared_prefix(offset, mask)
+        return padded
 
     def _key_groups(self, offset: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[KeyGroup]]:
         """The decode step's rows grouped by how many key positions they read (`length_groups`), and the pool
@@ -224,20 +235,18 @@ def length_groups(lengths: list[int], call_cost: int) -> list[list[int]]:
     return groups[::-1]
 
 
-def consecutive_runs(slots: torch.Tensor, is_real: torch.Tensor) -> list[tuple[int, int]] | None:
-    """Each row's ``(first slot, count)`` when its real positions hold consecutive slots in order; else None.
-
-    Args:
-        slots: ``[B, kv]`` pool slot of every position; is_real: ``[B, kv]`` False for padding.
+def consecutive_runs(rows: RowsView) -> list[tuple[int, int]] | None:
+    """Each row's ``(first slot, count)`` when its stored tokens fill consecutive slots (its blocks follow each
+    other); else None. Read from the block lists, with no tensor op (a decode step checks it once for all its
+    layers).
     """
-    counts = is_real.sum(dim=1)  # [B]
-    if bool((counts == 0).any()):
-        return None
-    first = slots.masked_fill(~is_real, torch.iinfo(slots.dtype).max).min(dim=1).values  # [B]
-    expected = first.unsqueeze(1) + (is_real.cumsum(dim=1) - 1)  # [B, kv] the slot of each real position if consecutive
-    if not bool(((slots == expected) | ~is_real).all()):
-        return None
-    return list(zip(first.tolist(), counts.tolist()))
+    size, runs = rows.block_size, []
+    for table, count in zip(rows.tables, rows.num_tokens):
+        used = table[: -(-count // size)]  # the blocks holding the row's tokens
+        if not used or used[0] == NULL_BLOCK or used != list(range(used[0], used[0] + len(used))):
+            return None
+        runs.append((used[0] * size, count))
+    return runs
 
 
 @dataclass
@@ -304,18 +313,25 @@ def prefix_token_ids(
     if new_ids is None:
         return None
     batch_size, query_length = new_ids.shape
-    real = new_real.to(new_ids.device) if new_real is not None else torch.ones_like(new_ids, dtype=torch.bool)
-    first = torch.tensor(stored, device=new_ids.device).unsqueeze(1)  # [B, 1]
-    expected = first + real.cumsum(dim=1) - 1  # [B, q] index of each real token in its row
-    if positions is None:
-        positions = torch.arange(past_length, past_length + query_length, device=new_ids.device).unsqueeze(0)
-    elif positions.ndim != 2 or positions.shape[1] != query_length or positions.shape[0] not in (1, batch_size):
+    if positions is not None and (
+        positions.ndim != 2 or positions.shape[1] != query_length or positions.shape[0] not in (1, batch_size)
+    ):
         return None  # multi-dimensional (e.g. rotary sections) or unusual positions: do not key by them
-    aligned = ((positions.to(new_ids.device) == expected) | ~real).all(dim=1).tolist()  # [B]
-    rows, masks = new_ids.tolist(), real.tolist()
-    return [
-        [t for t, is_real in zip(ids, mask) if is_real] if ok else None for ids, mask, ok in zip(rows, masks, aligned)
-    ]
+    # lists, not tensor ops: a decode step (one token per row) has a few values, and a prefill's are
+    # turned into lists anyway to be kept
+    ids = new_ids.tolist()  # [B][q]
+    real = new_real.tolist() if new_real is not None else [[True] * query_length] * batch_size
+    if positions is None:
+        given = [list(range(past_length, past_length + query_length))] * batch_size
+    else:
+        given = positions.tolist()
+        given = given * batch_size if len(given) == 1 else given
+    rows = []
+    for row_ids, row_real, row_positions, first in zip(ids, real, given, stored):
+        kept = [(t, p) for t, p, is_real in zip(row_ids, row_positions, row_real) if is_real]
+        aligned = all(p == first + k for k, (_, p) in enumerate(kept))  # the k-th real token at index first + k
+        rows.append([t for t, _ in kept] if aligned else None)
+    return rows
 
 
 def keep_from(is_real: torch.Tensor, window: int | None) -> list[int] | None:
@@ -357,9 +373,7 @@ def plan_group(
     pool.copy_blocks(pairs, group)
 
 
-def build_index(
-    step: Step, group: int, tables: BlockTables, is_real: torch.Tensor, block_size: int, device: torch.device
-) -> StepIndex:
+def build_index(step: Step, group: int, tables: BlockTables, is_real: torch.Tensor, device: torch.device) -> StepIndex:
     """Layer group `group`'s write and read slots on `device` (made once, then reused by the group's layers).
 
     Args:
@@ -367,23 +381,38 @@ def build_index(
     """
     index = step.index.get((group, device))
     if index is None:
-        is_real = is_real.to(device)  # [B, L + q]
-        table = tables.as_tensor(device)  # [B, max_blocks]
-        read_slots = slots_for_positions(table, is_real, block_size)  # [B, L + q]
-        new_real = is_real[:, step.past_length :]  # [B, q]
-        written, new_from_states = new_real, False  # [B, q] new tokens that get a slot
-        if step.keep_from[group] is not None:
-            # a new token is written wherever its block is held (the null block's slots are below block_size):
-            # tokens before the first block the window keeps get no slot, except in a block held already
-            written = new_real & (read_slots[:, step.past_length :] >= block_size)
-            new_from_states = bool((written != new_real).any())
-        if step.writers is not None:
-            written = written & step.writers.to(device).unsqueeze(1)  # a repeated row's tokens are the first's
-        if written is new_real and step.all_real:
-            write_slots, write_rows = read_slots[:, step.past_length :].reshape(-1), None
+        is_real, rows = is_real.to(device), tables.view()  # [B, L + q]
+        if step.query_length == 1 and step.all_real and step.keep_from[group] is None and step.writers is None:
+            # a decode step: each row's new token is its last stored one, found in its block list (no tensor op)
+            size = rows.block_size
+            last = [table[(n - 1) // size] * size + (n - 1) % size for table, n in zip(rows.tables, rows.num_tokens)]
+            index = StepIndex(torch.tensor(last, device=device), None, rows, is_real, step.past_length)
         else:
-            write_slots = read_slots[:, step.past_length :][written]  # [N]
-            write_rows = written.reshape(-1).nonzero().squeeze(1)  # [N]
-        index = StepIndex(write_slots, write_rows, read_slots, is_real, step.past_length, new_from_states)
+            index = _full_index(step, group, rows, is_real)
         step.index[(group, device)] = index
     return index
+
+
+def _full_index(step: Step, group: int, rows: RowsView, is_real: torch.Tensor) -> StepIndex:
+    """The slot index of any step, from the slots of all its positions (padding, a window, repeated rows)."""
+    slots = position_slots(rows, is_real)  # [B, L + q]
+    new_real = is_real[:, step.past_length :]  # [B, q]
+    written, new_from_states = new_real, False  # [B, q] new tokens that get a slot
+    if step.keep_from[group] is not None:
+        # a new token is written wherever its block is held (the null block's slots are below block_size):
+        # tokens before the first block the window keeps get no slot, except in a block held already
+        written = new_real & (slots[:, step.past_length :] >= rows.block_size)
+        new_from_states = bool((written != new_real).any())
+    if step.writers is not None:
+        written = written & step.writers.to(is_real.device).unsqueeze(1)  # a repeated row's tokens are the first's
+    if written is new_real and step.all_real:
+        write_slots, write_rows = slots[:, step.past_length :].reshape(-1), None
+    else:
+        write_slots = slots[:, step.past_length :][written]  # [N]
+        write_rows = written.reshape(-1).nonzero().squeeze(1)  # [N]
+    return StepIndex(write_slots, write_rows, rows, is_real, step.past_length, new_from_states, slots)
+
+
+def position_slots(rows: RowsView, is_real: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` pool slot of every position of `rows` (padding: the null block's), on `is_real`'s device."""
+    return slots_for_positions(rows.as_tensor(is_real.device), is_real, rows.block_size)

@@ -178,10 +178,11 @@ class StoredStates:
 
     def write(self, slots: torch.Tensor, new: torch.Tensor) -> None:
         """Store `new` ``[H, N, D]`` at `slots` ``[N]``."""
+        new = new.detach() if new.requires_grad else new  # the pool never joins an autograd graph
         if self.plain is not None:
-            self.data.index_copy_(1, slots, new.detach())  # the pool never joins an autograd graph
+            self.data.index_copy_(1, slots, new)
             return
-        elements, scale = self.format.encode(new.detach())
+        elements, scale = self.format.encode(new)
         writable(self.data).index_copy_(1, slots, writable(elements))
         if scale is not None:
             self.scale.index_copy_(1, slots, scale)

@@ -18,7 +18,8 @@ class SharedExclusiveLock:
     """
 
     def __init__(self) -> None:
-        self._condition = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # guards the counts below; `with` on it directly is the cheaper path
+        self._condition = threading.Condition(self._mutex)
         self._readers = 0  # shared() holds, over all threads (re-entries counted)
         self._writer: int | None = None  # the thread holding exclusive()
         self._writer_depth = 0
@@ -42,19 +43,19 @@ class SharedExclusiveLock:
         return self._shared_hold
 
     def _enter_shared(self) -> None:
-        me = threading.get_ident()
-        with self._condition:
-            if self._writer != me and not self._shared_depth():
+        with self._mutex:
+            busy = self._writer is not None or self._writers_waiting  # else nothing to wait for (the usual case)
+            if busy and self._writer != threading.get_ident() and not self._shared_depth():
                 while self._writer is not None or self._writers_waiting:
                     self._condition.wait()
             self._readers += 1
             self._local.depth = self._shared_depth() + 1
 
     def _leave_shared(self) -> None:
-        with self._condition:
+        with self._mutex:
             self._readers -= 1
             self._local.depth -= 1
-            if not self._readers:
+            if not self._readers and self._writers_waiting:  # only writers wait for the readers to leave
                 self._condition.notify_all()
 
     @contextmanager
