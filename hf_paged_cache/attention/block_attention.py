@@ -268,6 +268,9 @@ def _attend_decode(
     groups = query_heads // heads
     scale = scaling if scaling is not None else key_dim**-0.5
     sink_logits = None if sinks is None else sinks.view(1, heads, groups, 1)
+    if padded.runs is not None:
+        with inputs.lock.shared():  # views of the storage: read them before letting the lock go
+            return _attend_views(query, inputs, padded.runs, scale, softcap, sink_logits, dropout)
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, heads, groups, key_dim)
 
@@ -285,16 +288,6 @@ def _attend_decode(
         ).view(rows, heads, groups, -1)  # [n, Hq, 1, Dv] or [n, H, g, Dv] -> [n, H, g, Dv]
 
     with inputs.lock.shared():
-        if padded.runs is not None:  # views of the storage: read them before letting the lock go
-            if batch_size == 1:
-                run = padded.runs[0]
-                out = attend(grouped, inputs.keys.run(*run), inputs.values.run(*run), None)  # [1, H, g, Dv]
-                return out.reshape(1, 1, query_heads, -1)
-            outs = [
-                attend(grouped[b : b + 1], inputs.keys.run(*run), inputs.values.run(*run), None)
-                for b, run in enumerate(padded.runs)
-            ]  # [1, H, g, Dv] each
-            return torch.cat(outs).reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
         plain = softcap is None and sinks is None and dropout == 0.0
         if padded.shared is not None and plain:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
@@ -326,6 +319,43 @@ def _attend_decode(
     for group, group_keys, group_values in zip(padded.groups, key_parts, value_parts):
         out.index_copy_(0, group.rows, attend_group(grouped[group.rows], group_keys, group_values, group.mask))
     return out.reshape(batch_size, 1, query_heads, -1)
+
+
+def _attend_views(
+    query: torch.Tensor,
+    inputs: PagedAttentionInputs,
+    runs: list[tuple[int, int]],
+    scale: float,
+    softcap: float | None,
+    sink_logits: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
+    """``[B, 1, Hq, Dv]``: a decode step whose rows each hold their keys in one run of consecutive slots, each row
+    attending from views of the storage (no copy, one call per row). Call with the storage lock held.
+
+    Args:
+        query: ``[B, Hq, 1, D]``; runs: per row, its ``(first slot, count)``; sink_logits: ``[1, H, g, 1]``.
+    """
+    batch_size, query_heads, _, key_dim = query.shape
+    heads = inputs.num_kv_heads
+    groups = query_heads // heads
+    explicit = softcap is not None or sink_logits is not None
+    split_heads = groups > 1 and not explicit and query.dtype == torch.float32 and splits_query_heads()
+    # [B, Hq, 1, D] as given when the query heads go one by one (`splits_query_heads`), else [B, H, g, D]:
+    # query head kv * g + j reads key/value head kv, its g heads as g query rows
+    rows = query if split_heads else query.view(batch_size, heads, groups, key_dim)
+    outs = []
+    for b, run in enumerate(runs):
+        row = rows if batch_size == 1 else rows[b : b + 1]
+        keys, values = inputs.keys.run(*run), inputs.values.run(*run)  # [1, H, n, D] views
+        if explicit:
+            outs.append(explicit_attention(row, keys, values, None, scale, softcap, sink_logits, dropout))
+        else:
+            outs.append(
+                F.scaled_dot_product_attention(row, keys, values, dropout_p=dropout, scale=scale, enable_gqa=split_heads)
+            )
+    out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, Hq, 1, Dv] or [B, H, g, Dv]
+    return out.reshape(batch_size, 1, query_heads, -1)  # one query per row: both order its heads alike
 
 
 def gathers_rows() -> bool:
