@@ -33,6 +33,7 @@ stored keys at positions ``k <= p`` (causal) and, on a sliding layer of window `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -268,24 +269,30 @@ def _attend_decode(
     groups = query_heads // heads
     scale = scaling if scaling is not None else key_dim**-0.5
     sink_logits = None if sinks is None else sinks.view(1, heads, groups, 1)
+    explicit = softcap is not None or sinks is not None
+    split_heads = groups > 1 and not explicit and query.dtype == torch.float32 and splits_query_heads()
+
+    def call(row_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+        # one call over rows of queries, [n, Hq, 1, D] with split_heads else [n, H, g, D], and their [n, H, kv, D]
+        # keys (a mask: [n, 1, 1, kv]); returns the queries' layout with Dv
+        if explicit:
+            return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
+        return F.scaled_dot_product_attention(
+            row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=split_heads
+        )
+
     if padded.runs is not None:
         with inputs.lock.shared():  # views of the storage: read them before letting the lock go
-            return _attend_views(query, inputs, padded.runs, scale, softcap, sink_logits, dropout)
+            return _attend_views(query, inputs, padded.runs, split_heads, call)
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, heads, groups, key_dim)
 
-    split_heads = groups > 1 and query.dtype == torch.float32 and splits_query_heads()
-
     def attend(row_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
         # [n, H, g, Dv] from [n, H, g, D] queries over [n, H, kv, D] keys (a mask: [n, 1, 1, kv])
-        if softcap is not None or sinks is not None:
-            return explicit_attention(row_query, keys, values, mask, scale, softcap, sink_logits, dropout)
         rows = row_query.shape[0]
         if split_heads:
             row_query = row_query.reshape(rows, query_heads, 1, key_dim)  # [n, Hq, 1, D]
-        return F.scaled_dot_product_attention(
-            row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=split_heads
-        ).view(rows, heads, groups, -1)  # [n, Hq, 1, Dv] or [n, H, g, Dv] -> [n, H, g, Dv]
+        return call(row_query, keys, values, mask).view(rows, heads, groups, -1)  # -> [n, H, g, Dv]
 
     with inputs.lock.shared():
         plain = softcap is None and sinks is None and dropout == 0.0
@@ -325,35 +332,26 @@ def _attend_views(
     query: torch.Tensor,
     inputs: PagedAttentionInputs,
     runs: list[tuple[int, int]],
-    scale: float,
-    softcap: float | None,
-    sink_logits: torch.Tensor | None,
-    dropout: float,
+    split_heads: bool,
+    call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
 ) -> torch.Tensor:
     """``[B, 1, Hq, Dv]``: a decode step whose rows each hold their keys in one run of consecutive slots, each row
     attending from views of the storage (no copy, one call per row). Call with the storage lock held.
 
     Args:
-        query: ``[B, Hq, 1, D]``; runs: per row, its ``(first slot, count)``; sink_logits: ``[1, H, g, 1]``.
+        query: ``[B, Hq, 1, D]``; runs: per row, its ``(first slot, count)``; split_heads: whether `call` takes
+            the query heads one by one (`splits_query_heads`); call: `_attend_decode`'s attention over rows of
+            queries and their keys and values.
     """
     batch_size, query_heads, _, key_dim = query.shape
     heads = inputs.num_kv_heads
-    groups = query_heads // heads
-    explicit = softcap is not None or sink_logits is not None
-    split_heads = groups > 1 and not explicit and query.dtype == torch.float32 and splits_query_heads()
-    # [B, Hq, 1, D] as given when the query heads go one by one (`splits_query_heads`), else [B, H, g, D]:
-    # query head kv * g + j reads key/value head kv, its g heads as g query rows
-    rows = query if split_heads else query.view(batch_size, heads, groups, key_dim)
-    outs = []
-    for b, run in enumerate(runs):
-        row = rows if batch_size == 1 else rows[b : b + 1]
-        keys, values = inputs.keys.run(*run), inputs.values.run(*run)  # [1, H, n, D] views
-        if explicit:
-            outs.append(explicit_attention(row, keys, values, None, scale, softcap, sink_logits, dropout))
-        else:
-            outs.append(
-                F.scaled_dot_product_attention(row, keys, values, dropout_p=dropout, scale=scale, enable_gqa=split_heads)
-            )
+    # [B, Hq, 1, D] as given when the query heads go one by one, else [B, H, g, D]: query head kv * g + j reads
+    # key/value head kv, its g heads as g query rows
+    rows = query if split_heads else query.view(batch_size, heads, query_heads // heads, key_dim)
+    outs = [
+        call(rows if batch_size == 1 else rows[b : b + 1], inputs.keys.run(*run), inputs.values.run(*run), None)
+        for b, run in enumerate(runs)
+    ]  # per row, read from [1, H, n, D] views of its keys and values
     out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, Hq, 1, Dv] or [B, H, g, Dv]
     return out.reshape(batch_size, 1, query_heads, -1)  # one query per row: both order its heads alike
 
