@@ -16,11 +16,14 @@ is isolated:
    every row of the step fails with it (never with a wrong token).
 
 Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
-fails alone and the others keep their tokens.
+fails alone and the others keep their tokens. The decode rows of plain greedy requests (`Request.greedy`) take
+the first maximum of their logits in one reduction for all of them; a row whose maximum is not finite goes
+through `Request.pick`, which fails it alone with the reason.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -92,8 +95,7 @@ class StepExecutor:
             end += len(chunk.tokens)
         logits = packed_forward(self.model, segments, logits_at)  # [len(logits_at), vocab]; every cache pending
         try:
-            for request, row_logits in zip(plan.running, logits[: len(plan.running)], strict=True):
-                self._choose(request, row_logits, result)
+            self._choose_rows(plan.running, logits[: len(plan.running)], result)
             for chunk, rows in zip(plan.chunks, chunk_rows):
                 self._chunk_done(chunk, logits[rows], result)
         except BaseException:
@@ -151,8 +153,7 @@ class StepExecutor:
             return
         if logits is None:
             return  # some rows fail alone: the others did not run, and run at the next step without them
-        for request, row_logits in zip(requests, logits, strict=True):
-            self._choose(request, row_logits, result)
+        self._choose_rows(requests, logits, result)
         cache.commit()
 
     def _decode_isolating(self, cache: PagedCache, requests: list[Request], result: StepResult) -> torch.Tensor | None:
@@ -219,6 +220,22 @@ class StepExecutor:
         real = cache.is_real.to(device)
         mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + 1]
         return input_ids, positions, mask
+
+    def _choose_rows(self, requests: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Each request's next token from its row of `logits` ``[B, V]`` into `result`: the plain greedy rows'
+        by one reduction for all (their first maximum, as ``argmax`` takes it), the others one by one (`_choose`)."""
+        picked: dict[int, int] = {}  # row -> its token, for plain greedy rows whose maximum is finite
+        plain = [row for row, request in enumerate(requests) if request.greedy is not None]
+        if plain:
+            rows = logits if len(plain) == len(requests) else logits[plain]  # [n, V]
+            best, tokens = rows.max(dim=-1)  # [n] each: the first maximum's value and index
+            found = zip(plain, best.tolist(), tokens.tolist())
+            picked = {row: token for row, value, token in found if math.isfinite(value)}
+        for row, request in enumerate(requests):
+            if row in picked:
+                result.choices[request] = request.greedy_choice(picked[row])
+            else:
+                self._choose(request, logits[row], result)
 
     def _choose(self, request: Request, logits: torch.Tensor, result: StepResult) -> None:
         """`request`'s next token from `logits` ``[V]`` into `result`, or its failure (after `ATTEMPTS` tries)."""

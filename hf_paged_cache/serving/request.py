@@ -7,6 +7,9 @@ sampled request gives the same tokens whatever else runs beside it.
 
 Picking a token (`Request.pick`) changes nothing but the generator, and puts that back when it raises: the
 token joins the request (`Request.accept`) only once the step that computed it is kept for every request.
+A plain greedy request (no processors, no log-probabilities, stopped only by its length or an EOS id:
+`GreedyStops`) needs none of that machinery: the batcher takes the first maximum of many such rows' logits at
+once and asks the request only whether that token stops it (`Request.greedy_choice`).
 
 A request can also record log-probabilities (``logprobs=k``: each new token's, with the `k` most likely;
 ``prompt_logprobs=k``: the same for each prompt token after the first), and be one of a group of choices of
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ..errors import RequestCancelled
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
@@ -166,6 +170,38 @@ class Choice:
     logprob: TokenLogprob | None = None  # when the request records log-probabilities
 
 
+@dataclass(frozen=True)
+class GreedyStops:
+    """How a plain greedy request stops: at `max_length` tokens (prompt and new), or on an id of `eos_ids`."""
+
+    max_length: int
+    eos_ids: frozenset[int]
+
+    def stop(self, length: int, token: int) -> bool:
+        """Whether a request that reaches `length` tokens by picking `token` stops there (as transformers'
+        `MaxLengthCriteria` and `EosTokenCriteria` decide)."""
+        return length >= self.max_length or token in self.eos_ids
+
+
+def greedy_stops(
+    config: Any, processors: LogitsProcessorList, criteria: StoppingCriteriaList, logprobs: int | None
+) -> GreedyStops | None:
+    """`GreedyStops` for a request that picks the first maximum of its raw logits and records nothing else: greedy,
+    no logits processor, no log-probabilities, and no stopping criterion but the length and the EOS ids. None
+    for any other (sampling, penalties, stop strings, a criterion of the caller's: `Request.pick` runs them)."""
+    if config.do_sample or len(processors) or logprobs is not None:
+        return None
+    max_length, eos_ids = None, frozenset()
+    for criterion in criteria:
+        if type(criterion) is MaxLengthCriteria:
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos_ids |= frozenset(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+        else:
+            return None
+    return None if max_length is None else GreedyStops(max_length, eos_ids)
+
+
 class Request:
     """A prompt, its generation settings (transformers' processors and criteria) and what it generated so far.
 
@@ -205,6 +241,7 @@ class Request:
             generation_config=config, stopping_criteria=extras.get("stopping_criteria") or StoppingCriteriaList(),
             tokenizer=tokenizer,
         )
+        self.greedy = greedy_stops(config, self.processors, self.criteria, self.logprobs)  # None: not plain greedy
         self.generator = torch.Generator(device=model.device)
         if extras.get("seed") is not None:
             self.generator.manual_seed(extras["seed"])
@@ -276,6 +313,11 @@ class Request:
             if state is not None:
                 self.generator.set_state(state)
             raise
+
+    def greedy_choice(self, token: int) -> Choice:
+        """What `pick` returns for a plain greedy request (`greedy` set) whose logits' first maximum, finite, is
+        `token`: that token, and whether it stops the request."""
+        return Choice(token, self.greedy.stop(len(self.prompt) + len(self.generated) + 1, token))
 
     def accept(self, choice: Choice) -> None:
         """Add a picked token to the request and stream it to its handle (once its step is kept)."""
