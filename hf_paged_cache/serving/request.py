@@ -196,7 +196,7 @@ def greedy_stops(
         if type(criterion) is MaxLengthCriteria:
             max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
         elif type(criterion) is EosTokenCriteria:
-            eos_ids |= frozenset(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+            eos_ids |= frozenset(flat_token_ids(criterion.eos_token_id))
         else:
             return None
     return None if max_length is None else GreedyStops(max_length, eos_ids)
