@@ -323,6 +323,27 @@ def test_bench_kernels_fields(tiny_dir: str, results_dir: Path) -> None:
         assert 0 <= row["max_abs_logit_diff"] < 1e-4 and row["greedy_tokens_agree"] is True
 
 
+def test_profile_decode_times_the_parts_of_decode_steps_and_uninstalls_its_timers(tiny_dir: str,
+                                                                                 results_dir: Path) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
+    from hf_paged_cache.kernels.packed_linear import PackedLinear
+
+    forward = PackedLinear.forward
+    args = ["--model", tiny_dir, "--num-requests", "6", "--concurrency", "3", "--max-prompt", "40", "--max-new", "8",
+            "--output-scale", "1", "--repeats", "1"]
+    result = run_script("profile_decode", args, results_dir / "profile_decode.json")
+    assert result["decode_steps"] > 0 and 1 <= result["rows_per_step"] <= 3
+    parts = result["parts"]
+    assert parts["linear"]["median_ms"] > 0 and parts["sdpa"]["median_ms"] > 0
+    assert parts["gather"]["share"] + parts["sdpa"]["share"] <= parts["attention"]["share"]  # nested parts
+    assert parts["writes"]["share"] <= parts["cache update"]["share"]
+    assert sum(parts[p]["share"] for p in ("linear", "attention", "cache update", "other")) == pytest.approx(1.0)
+    assert PackedLinear.forward is forward  # the timers are gone again
+    assert ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] is paged_sdpa_attention
+
+
 # -------------------------------------------------------------------------------------- bench_kv_dtype
 
 

@@ -1,0 +1,204 @@
+"""Where a `ContinuousBatcher` decode step's time goes, by wall-clock timers around its parts.
+
+``torch.profiler`` wraps every op in a record of its own, which on a decode step of a few thousand small ops
+inflates what is small and skews the rest (on SmolLM2 it put the packed linear layers of prompt steps at a
+tenth of the speed they run at untraced). This script instead wraps a handful of functions in
+``time.perf_counter`` timers (a microsecond or two each) and runs the batcher in process on the requests of
+``bench_http.py`` (the same seeded ShareGPT-shaped workload: 48 requests of at most 256 prompt tokens, 16
+clients, each submitting its next request when one ends). It times every decode step that runs alone (a step
+of decode rows only; packed steps with prompt chunks are not counted) and, within each:
+
+- ``linear``: the forwards of the linear layers (`PackedLinear`, as the server packs them);
+- ``attention``: the paged attention function as transformers calls it, and within it ``gather`` (copying
+  the rows' keys and values out of the pool) and ``sdpa`` (``F.scaled_dot_product_attention`` calls);
+- ``cache update``: `PagedCache.update`, and within it ``writes`` (storing the step's new keys and values);
+- ``other``: the rest of the forward: norms, rotary embeddings, residuals, the embedding, the modules' Python.
+
+The timers are installed only around the timed steps (`unittest.mock.patch`) and add a little to ``other``
+and ``linear`` (about 210 linear calls a step). Medians over the steps, with the quartiles; each part's share is
+of the mean step.
+
+Command (the README's numbers)::
+
+    python scripts/profile_decode.py --threads 2 --out results/profile_decode_f32.json
+    python scripts/profile_decode.py --threads 2 --dtype bfloat16 --out results/profile_decode_bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from hf_paged_cache import ContinuousBatcher
+from hf_paged_cache.attention import block_attention
+from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
+from hf_paged_cache.bench import add_common_args, format_table, load, prompt_token_range, sharegpt_workload, write_json
+from hf_paged_cache.bench.timing import in_fresh_thread
+from hf_paged_cache.cache import layer_io
+from hf_paged_cache.cache.paged_cache import PagedCache
+from hf_paged_cache.kernels import pack_linears
+from hf_paged_cache.kernels.packed_linear import PackedLinear
+from hf_paged_cache.pool.kv_format import StoredStates
+from hf_paged_cache.serving import executor
+from hf_paged_cache.serving.heap import pad_heap
+
+PARTS = ("linear", "attention", "gather", "sdpa", "cache update", "writes", "other")
+
+
+class StepTimers:
+    """Seconds spent in each part during the decode step being timed, one `Counter` per step."""
+
+    def __init__(self) -> None:
+        self.steps: list[Counter[str]] = []
+        self.rows: list[int] = []
+        self._current: Counter[str] | None = None  # while a decode step runs on the batcher's thread
+
+    def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, adding its wall time to `part` when called inside a timed step."""
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            current = self._current
+            if current is None:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                current[part] += time.perf_counter() - start
+
+        return wrapper
+
+    def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`StepExecutor._decode_forward`, timed whole as ``step`` with its parts."""
+
+        def wrapper(executor_self: Any, cache: PagedCache, requests: list) -> Any:
+            self._current = Counter()
+            start = time.perf_counter()
+            try:
+                return fn(executor_self, cache, requests)
+            finally:
+                self._current["step"] = time.perf_counter() - start
+                self.steps.append(self._current)
+                self.rows.append(len(requests))
+                self._current = None
+
+        return wrapper
+
+
+@contextmanager
+def installed(timers: StepTimers) -> Iterator[None]:
+    """The timers around the batcher's decode forward and its parts, for the duration of the block."""
+    with ExitStack() as stack:
+        patch = stack.enter_context
+        patch(mock.patch.object(executor.StepExecutor, "_decode_forward",
+                                timers.step(executor.StepExecutor._decode_forward)))
+        patch(mock.patch.object(PackedLinear, "forward", timers.timed("linear", PackedLinear.forward)))
+        patch(mock.patch.object(block_attention, "_gather_row_major",
+                                timers.timed("gather", block_attention._gather_row_major)))
+        patch(mock.patch.object(StoredStates, "gather", timers.timed("gather", StoredStates.gather)))
+        patch(mock.patch.object(F, "scaled_dot_product_attention",
+                                timers.timed("sdpa", F.scaled_dot_product_attention)))
+        patch(mock.patch.object(PagedCache, "update", timers.timed("cache update", PagedCache.update)))
+        patch(mock.patch.object(layer_io, "write_new_tokens", timers.timed("writes", layer_io.write_new_tokens)))
+        AttentionInterface.register(ATTENTION_NAME, timers.timed("attention", paged_sdpa_attention))
+        stack.callback(AttentionInterface.register, ATTENTION_NAME, paged_sdpa_attention)
+        yield
+
+
+def drive(batcher: ContinuousBatcher, prompts: list[list[int]], max_tokens: list[int], clients: int) -> None:
+    """`clients` threads, each submitting its next request when its last one ends (as `bench_http.py`)."""
+
+    def one(i: int) -> None:
+        batcher.submit(prompts[i], max_new_tokens=max_tokens[i], do_sample=False, eos_token_id=None).result()
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(one, range(len(prompts))))
+
+
+def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list[int], clients: int,
+              warmup: int) -> StepTimers:
+    timers = StepTimers()
+    with ContinuousBatcher(model) as batcher:
+        drive(batcher, prompts[:warmup], [min(n, 16) for n in max_tokens[:warmup]], clients)
+        with installed(timers):
+            drive(batcher, prompts, max_tokens, clients)
+    return timers
+
+
+def summarise(timers: list[StepTimers]) -> dict[str, Any]:
+    steps = [step for t in timers for step in t.steps]
+    for step in steps:
+        step["other"] = step["step"] - step["linear"] - step["attention"] - step["cache update"]
+    rows = [r for t in timers for r in t.rows]
+
+    def quartiles(part: str) -> dict[str, float]:
+        values = [step[part] * 1e3 for step in steps]
+        q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values * 3)
+        return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+
+    step_ms = quartiles("step")
+    return {
+        "decode_steps": len(steps),
+        "rows_per_step": statistics.fmean(rows) if rows else 0.0,
+        "step": step_ms,
+        "parts": {part: quartiles(part) | {"share": statistics.fmean(s[part] for s in steps)
+                                            / statistics.fmean(s["step"] for s in steps)}
+                  for part in PARTS},
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, out="results/profile_decode.json")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48, as bench_http.py)")
+    parser.add_argument("--concurrency", type=int, default=16, help="clients (default: 16)")
+    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
+    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
+    parser.add_argument("--output-scale", type=float, default=0.25,
+                        help="ShareGPT output lengths times this (default: 0.25, as bench_http.py)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds, each on a fresh batcher (default: 2)")
+    parser.add_argument("--no-packed-linears", action="store_true", help="keep the model's stock linear layers")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    model, tokenizer = load(args)
+    if not args.no_packed_linears:
+        pack_linears(model)  # as the server does by default
+    pad_heap()  # as the server does at start-up
+    workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
+                                 max_output=10**6, token_range=prompt_token_range(model, tokenizer))
+    prompts = [list(request.prompt_ids) for request in workload.requests]
+    max_tokens = workload.scaled_output_lens(args.output_scale, args.max_new)
+    rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, args.concurrency)
+              for _ in range(args.repeats)]
+    summary = summarise(rounds)
+    payload = {"benchmark": "profile_decode", "args": vars(args), "threads": torch.get_num_threads(), "dtype": str(model.dtype)} | summary
+    print_report(payload)
+    write_json(args.out, payload, args.device)
+    return payload
+
+
+def print_report(payload: dict[str, Any]) -> None:
+    print(f"{payload['decode_steps']} decode steps of {payload['rows_per_step']:.1f} rows on average, "
+          f"{payload['dtype']}, {payload['threads']} threads: {payload['step']['median_ms']:.1f} ms a step "
+          f"({payload['step']['q1_ms']:.1f}-{payload['step']['q3_ms']:.1f})")
+    rows = [{"part": part, "ms a step": f"{v['median_ms']:.2f}", "quartiles": f"{v['q1_ms']:.2f}-{v['q3_ms']:.2f}",
+             "share": f"{v['share']:.0%}"} for part, v in payload["parts"].items()]
+    print(format_table(rows, ["part", "ms a step", "quartiles", "share"]))
+
+
+if __name__ == "__main__":
+    main()
