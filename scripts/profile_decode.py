@@ -1,12 +1,12 @@
 """Where a `ContinuousBatcher` decode step's time goes, by wall-clock timers around its parts.
 
-``torch.profiler`` wraps every op in a record of its own, which on a decode step of a few thousand small ops
-inflates what is small and skews the rest (on SmolLM2 it put the packed linear layers of prompt steps at a
-tenth of the speed they run at untraced). This script instead wraps a handful of functions in
-``time.perf_counter`` timers (a microsecond or two each) and runs the batcher in process on the requests of
-``bench_http.py`` (the same seeded ShareGPT-shaped workload: 48 requests of at most 256 prompt tokens, 16
-clients, each submitting its next request when one ends). It times every decode step that runs alone (a step
-of decode rows only; packed steps with prompt chunks are not counted) and, within each:
+``torch.profiler`` records every op with an overhead of its own, and on SmolLM2 it reported times that untraced
+runs did not reproduce (bfloat16 prompt steps' packed linear layers at a ninth of their untraced speed). This
+script instead wraps a handful of functions in ``time.perf_counter`` timers (a microsecond or two each) and
+runs the batcher in process on the requests of ``bench_http.py`` (the same seeded ShareGPT-shaped workload:
+48 requests of at most 256 prompt tokens, 16 clients, each submitting its next request when one ends). It
+times every decode step that runs alone (a step of decode rows only; packed steps with prompt chunks are not
+counted) and, within each:
 
 - ``linear``: the forwards of the linear layers (`PackedLinear`, as the server packs them);
 - ``attention``: the paged attention function as transformers calls it, and within it ``gather`` (copying
@@ -20,8 +20,8 @@ of the mean step.
 
 Command (the README's numbers)::
 
-    python scripts/profile_decode.py --threads 2 --out results/profile_decode_f32.json
-    python scripts/profile_decode.py --threads 2 --dtype bfloat16 --out results/profile_decode_bf16.json
+    python scripts/profile_decode.py --threads 2 --out results/profile_decode_float32_t2.json
+    python scripts/profile_decode.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list
 
 def summarise(timers: list[StepTimers]) -> dict[str, Any]:
     steps = [step for t in timers for step in t.steps]
+    if not steps:
+        raise SystemExit("no decode step ran alone: give more requests or longer outputs")
     for step in steps:
         step["other"] = step["step"] - step["linear"] - step["attention"] - step["cache update"]
     rows = [r for t in timers for r in t.rows]
@@ -150,7 +152,7 @@ def summarise(timers: list[StepTimers]) -> dict[str, Any]:
     step_ms = quartiles("step")
     return {
         "decode_steps": len(steps),
-        "rows_per_step": statistics.fmean(rows) if rows else 0.0,
+        "rows_per_step": statistics.fmean(rows),
         "step": step_ms,
         "parts": {part: quartiles(part) | {"share": statistics.fmean(s[part] for s in steps)
                                             / statistics.fmean(s["step"] for s in steps)}
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, args.concurrency)
               for _ in range(args.repeats)]
     summary = summarise(rounds)
-    payload = {"benchmark": "profile_decode", "args": vars(args), "threads": torch.get_num_threads(), "dtype": str(model.dtype)} | summary
+    payload = {"benchmark": "profile_decode", "args": vars(args), "threads": torch.get_num_threads(),
+               "dtype": str(model.dtype)} | summary
     print_report(payload)
     write_json(args.out, payload, args.device)
     return payload
