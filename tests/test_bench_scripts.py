@@ -323,24 +323,31 @@ def test_bench_kernels_fields(tiny_dir: str, results_dir: Path) -> None:
         assert 0 <= row["max_abs_logit_diff"] < 1e-4 and row["greedy_tokens_agree"] is True
 
 
-def test_profile_decode_times_the_parts_of_decode_steps_and_uninstalls_its_timers(tiny_dir: str,
-                                                                                 results_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["decode", "prompt"])
+def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_timers(tiny_dir: str, results_dir: Path,
+                                                                                   kind: str) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
     from hf_paged_cache.kernels.packed_linear import PackedLinear
+    from hf_paged_cache.serving import executor
 
-    forward = PackedLinear.forward
+    forward, packed_forward = PackedLinear.forward, executor.packed_forward
     args = ["--model", tiny_dir, "--num-requests", "6", "--concurrency", "3", "--max-prompt", "40", "--max-new", "8",
-            "--output-scale", "1", "--repeats", "1"]
-    result = run_script("profile_decode", args, results_dir / "profile_decode.json")
-    assert result["decode_steps"] > 0 and 1 <= result["rows_per_step"] <= 3
+            "--output-scale", "1", "--repeats", "1", "--steps", kind]
+    result = run_script("profile_steps", args, results_dir / f"profile_steps_{kind}.json")
+    assert result["kind"] == kind and result["steps"] > 0
+    if kind == "decode":  # one token a row, at most one row a client
+        assert 1 <= result["tokens_per_step"] <= 3
+    else:  # every prompt token of the timed requests (random prompts: no prefix hits), and any decode rows
+        workload = sharegpt_workload(6, seed=0, max_prompt=40, max_output=10**6, token_range=(0, 2))
+        assert result["tokens"] >= sum(len(request.prompt_ids) for request in workload.requests)
     parts = result["parts"]
     assert parts["linear"]["median_ms"] > 0 and parts["sdpa"]["median_ms"] > 0
     assert parts["gather"]["share"] + parts["sdpa"]["share"] <= parts["attention"]["share"]  # nested parts
     assert parts["writes"]["share"] <= parts["cache update"]["share"]
     assert sum(parts[p]["share"] for p in ("linear", "attention", "cache update", "other")) == pytest.approx(1.0)
-    assert PackedLinear.forward is forward  # the timers are gone again
+    assert PackedLinear.forward is forward and executor.packed_forward is packed_forward  # the timers are gone
     assert ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] is paged_sdpa_attention
 
 

@@ -1,16 +1,21 @@
-"""Where a `ContinuousBatcher` decode step's time goes, by wall-clock timers around its parts.
+"""Where a `ContinuousBatcher` step's time goes, by wall-clock timers around its parts: decode steps, or prompt steps.
 
 ``torch.profiler`` records every op with an overhead of its own, and on SmolLM2 it reported times that untraced
 runs did not reproduce (bfloat16 prompt steps' packed linear layers at a ninth of their untraced speed). This
 script instead wraps a handful of functions in ``time.perf_counter`` timers (a microsecond or two each) and
 runs the batcher in process on the requests of ``bench_http.py`` (the same seeded ShareGPT-shaped workload:
 48 requests of at most 256 prompt tokens, 16 clients, each submitting its next request when one ends). It
-times every decode step that runs alone (a step of decode rows only; packed steps with prompt chunks are not
-counted) and, within each:
+times every step of one kind (``--steps``):
+
+- ``decode``: every decode step that runs alone (decode rows only; steps with prompt chunks are not counted);
+- ``prompt``: every step that computes prompt tokens: a packed forward (prompt chunks, with the running rows'
+  next tokens when there are any) or a chunk's forward of its own; its tokens are all those it computes.
+
+and, within each:
 
 - ``linear``: the forwards of the linear layers (`PackedLinear`, as the server packs them);
 - ``attention``: the paged attention function as transformers calls it, and within it ``gather`` (copying
-  the rows' keys and values out of the pool) and ``sdpa`` (``F.scaled_dot_product_attention`` calls);
+  keys and values out of the pool) and ``sdpa`` (``F.scaled_dot_product_attention`` calls);
 - ``cache update``: `PagedCache.update`, and within it ``writes`` (storing the step's new keys and values);
 - ``other``: the rest of the forward: norms, rotary embeddings, residuals, the embedding, the modules' Python.
 
@@ -18,10 +23,12 @@ The timers are installed only around the timed steps (`unittest.mock.patch`) and
 and ``linear`` (about 210 linear calls a step). Medians over the steps, with the quartiles; each part's share is
 of the mean step.
 
-Command (the README's numbers)::
+Commands (the README's numbers)::
 
-    python scripts/profile_decode.py --threads 2 --out results/profile_decode_float32_t2.json
-    python scripts/profile_decode.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json
+    python scripts/profile_steps.py --threads 2 --out results/profile_decode_float32_t2.json
+    python scripts/profile_steps.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json
+    python scripts/profile_steps.py --steps prompt --threads 2 --num-requests 48 --max-prompt 400 --max-new 1 \
+        --output-scale 1 --out results/profile_prompt_float32_t2.json
 """
 
 from __future__ import annotations
@@ -56,13 +63,16 @@ from hf_paged_cache.serving.heap import pad_heap
 PARTS = ("linear", "attention", "gather", "sdpa", "cache update", "writes", "other")
 
 
+STEP_KINDS = ("decode", "prompt")
+
+
 class StepTimers:
-    """Seconds spent in each part during the decode step being timed, one `Counter` per step."""
+    """Seconds spent in each part during the steps being timed, one `Counter` per step."""
 
     def __init__(self) -> None:
         self.steps: list[Counter[str]] = []
-        self.rows: list[int] = []
-        self._current: Counter[str] | None = None  # while a decode step runs on the batcher's thread
+        self.tokens: list[int] = []  # per step, the tokens it computes (a decode step's: its rows)
+        self._current: Counter[str] | None = None  # while a timed step runs on the batcher's thread
 
     def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, adding its wall time to `part` when called inside a timed step."""
@@ -79,30 +89,39 @@ class StepTimers:
 
         return wrapper
 
-    def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`StepExecutor._decode_forward`, timed whole as ``step`` with its parts."""
+    def step(self, fn: Callable[..., Any], tokens: Callable[[tuple[Any, ...]], int]) -> Callable[..., Any]:
+        """`fn`, a step's forward, timed whole as ``step`` with its parts; `tokens` counts, from its positional
+        arguments, the tokens it computes."""
 
-        def wrapper(executor_self: Any, cache: PagedCache, requests: list) -> Any:
+        def wrapper(*args: Any) -> Any:
             self._current = Counter()
             start = time.perf_counter()
             try:
-                return fn(executor_self, cache, requests)
+                return fn(*args)
             finally:
                 self._current["step"] = time.perf_counter() - start
                 self.steps.append(self._current)
-                self.rows.append(len(requests))
+                self.tokens.append(tokens(args))
                 self._current = None
 
         return wrapper
 
 
 @contextmanager
-def installed(timers: StepTimers) -> Iterator[None]:
-    """The timers around the batcher's decode forward and its parts, for the duration of the block."""
+def installed(timers: StepTimers, kind: str = "decode") -> Iterator[None]:
+    """The timers around the batcher's forwards of `kind` (`STEP_KINDS`) and their parts, for the duration of
+    the block."""
     with ExitStack() as stack:
         patch = stack.enter_context
-        patch(mock.patch.object(executor.StepExecutor, "_decode_forward",
-                                timers.step(executor.StepExecutor._decode_forward)))
+        step_executor = executor.StepExecutor
+        if kind == "decode":  # (self, cache, requests): one token a request
+            patch(mock.patch.object(step_executor, "_decode_forward",
+                                    timers.step(step_executor._decode_forward, lambda args: len(args[2]))))
+        else:  # a packed forward (model, segments, logits_at), or a chunk alone (self, chunk)
+            patch(mock.patch.object(executor, "packed_forward", timers.step(
+                executor.packed_forward, lambda args: sum(segment.input_ids.numel() for segment in args[1]))))
+            patch(mock.patch.object(step_executor, "_chunk_forward",
+                                    timers.step(step_executor._chunk_forward, lambda args: len(args[1].tokens))))
         patch(mock.patch.object(PackedLinear, "forward", timers.timed("linear", PackedLinear.forward)))
         patch(mock.patch.object(block_attention, "_gather_row_major",
                                 timers.timed("gather", block_attention._gather_row_major)))
@@ -127,22 +146,23 @@ def drive(batcher: ContinuousBatcher, prompts: list[list[int]], max_tokens: list
 
 
 def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list[int], clients: int,
-              warmup: int) -> StepTimers:
+              warmup: list[list[int]], kind: str) -> StepTimers:
+    """One fresh batcher: `warmup`'s prompts (16 tokens each at most), then the timed requests."""
     timers = StepTimers()
     with ContinuousBatcher(model) as batcher:
-        drive(batcher, prompts[:warmup], [min(n, 16) for n in max_tokens[:warmup]], clients)
-        with installed(timers):
+        drive(batcher, warmup, [16] * len(warmup), clients)
+        with installed(timers, kind):
             drive(batcher, prompts, max_tokens, clients)
     return timers
 
 
-def summarise(timers: list[StepTimers]) -> dict[str, Any]:
+def summarise(timers: list[StepTimers], kind: str = "decode") -> dict[str, Any]:
     steps = [step for t in timers for step in t.steps]
     if not steps:
-        raise SystemExit("no decode step ran alone: give more requests or longer outputs")
+        raise SystemExit(f"no {kind} step was timed: give more requests, or longer outputs for decode steps alone")
     for step in steps:
         step["other"] = step["step"] - step["linear"] - step["attention"] - step["cache update"]
-    rows = [r for t in timers for r in t.rows]
+    tokens = [n for t in timers for n in t.tokens]
 
     def quartiles(part: str) -> dict[str, float]:
         values = [step[part] * 1e3 for step in steps]
@@ -151,8 +171,9 @@ def summarise(timers: list[StepTimers]) -> dict[str, Any]:
 
     step_ms = quartiles("step")
     return {
-        "decode_steps": len(steps),
-        "rows_per_step": statistics.fmean(rows),
+        "steps": len(steps),
+        "tokens": sum(tokens),
+        "tokens_per_step": statistics.fmean(tokens),
         "step": step_ms,
         "parts": {part: quartiles(part) | {"share": statistics.fmean(s[part] for s in steps)
                                             / statistics.fmean(s["step"] for s in steps)}
@@ -162,7 +183,10 @@ def summarise(timers: list[StepTimers]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, out="results/profile_decode.json")
+    add_common_args(parser, out="results/profile_steps.json")
+    parser.add_argument("--steps", choices=STEP_KINDS, default="decode",
+                        help="which steps to time: decode steps alone, or steps computing prompt tokens "
+                             "(default: decode)")
     parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48, as bench_http.py)")
     parser.add_argument("--concurrency", type=int, default=16, help="clients (default: 16)")
     parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
@@ -184,18 +208,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  max_output=10**6, token_range=prompt_token_range(model, tokenizer))
     prompts = [list(request.prompt_ids) for request in workload.requests]
     max_tokens = workload.scaled_output_lens(args.output_scale, args.max_new)
-    rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, args.concurrency)
+    # the warm-up's prompts from another seed, as bench_http.py's: none of the timed prompts is cached by prefix
+    warmup = sharegpt_workload(args.concurrency, seed=args.seed + 1, max_prompt=args.max_prompt, max_output=16,
+                               token_range=prompt_token_range(model, tokenizer))
+    warmup_prompts = [list(request.prompt_ids) for request in warmup.requests]
+    rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, warmup_prompts, args.steps)
               for _ in range(args.repeats)]
-    summary = summarise(rounds)
-    payload = {"benchmark": "profile_decode", "args": vars(args), "threads": torch.get_num_threads(),
-               "dtype": str(model.dtype)} | summary
+    summary = summarise(rounds, args.steps)
+    payload = {"benchmark": "profile_steps", "kind": args.steps, "args": vars(args),
+               "threads": torch.get_num_threads(), "dtype": str(model.dtype)} | summary
     print_report(payload)
     write_json(args.out, payload, args.device)
     return payload
 
 
 def print_report(payload: dict[str, Any]) -> None:
-    print(f"{payload['decode_steps']} decode steps of {payload['rows_per_step']:.1f} rows on average, "
+    print(f"{payload['steps']} {payload['kind']} steps of {payload['tokens_per_step']:.1f} tokens on average, "
           f"{payload['dtype']}, {payload['threads']} threads: {payload['step']['median_ms']:.1f} ms a step "
           f"({payload['step']['q1_ms']:.1f}-{payload['step']['q3_ms']:.1f})")
     rows = [{"part": part, "ms a step": f"{v['median_ms']:.2f}", "quartiles": f"{v['q1_ms']:.2f}-{v['q3_ms']:.2f}",
