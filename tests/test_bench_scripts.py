@@ -351,6 +351,26 @@ def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_time
     assert ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] is paged_sdpa_attention
 
 
+# -------------------------------------------------------------------------------------- bench_prompt_attention
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this PyTorch build")
+def test_bench_prompt_attention_times_each_variant_against_a_float64_reference(results_dir: Path) -> None:
+    args = ["--lengths", "8,21", "--dtypes", "float32", "--variants", "sdpa,products", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "16", "--repeats", "2", "--threads", "1"]
+    result = run_script("bench_prompt_attention", args, results_dir / "bench_prompt_attention.json")
+    rows = result["rows"]
+    assert [(row["length"], row["variant"]) for row in rows] == [(8, "sdpa"), (8, "products"), (21, "sdpa"),
+                                                                  (21, "products")]
+    assert all(row["max_abs_error"] < 1e-5 and row["median_us"] > 0 for row in rows)  # the same attention
+    assert all(row["speedup_vs_sdpa"] == 1.0 for row in rows if row["variant"] == "sdpa")
+
+
+def test_bench_prompt_attention_refuses_a_run_without_sdpa() -> None:
+    with pytest.raises(SystemExit):
+        load_script("bench_prompt_attention").parse_args(["--variants", "products"])
+
+
 # -------------------------------------------------------------------------------------- bench_kv_dtype
 
 
