@@ -43,16 +43,19 @@ VARIANTS = ("sdpa", "products", "flex")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="100,200,400,512,1024", help="prompt tokens (default: 100,...,1024)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="default: float32,bfloat16")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"default: {','.join(VARIANTS)}")
+    parser.add_argument("--lengths", default="100,200,400,512,1024",
+                        help="prompt tokens (default: 100,200,400,512,1024)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes to time (default: float32,bfloat16)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"sdpa and what to time against it (default: {','.join(VARIANTS)})")
     parser.add_argument("--heads", type=int, default=9, help="query heads (default: 9, SmolLM2-135M's)")
     parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads (default: 3)")
     parser.add_argument("--head-dim", type=int, default=64, help="channels a head (default: 64)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per variant (default: 20)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random queries, keys and values")
-    parser.add_argument("--out", default="results/bench_prompt_attention.json", help="JSON output path")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random queries, keys and values (default: 0)")
+    parser.add_argument("--out", default="results/bench_prompt_attention.json",
+                        help="JSON output path (default: results/bench_prompt_attention.json)")
     args = parser.parse_args(argv)
     args.variants = args.variants.split(",")
     unknown = set(args.variants) - set(VARIANTS)
