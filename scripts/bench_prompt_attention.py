@@ -13,9 +13,9 @@ default), in each of ``--dtypes``:
 - ``flex``: ``flex_attention`` compiled by inductor with a causal block mask (``torch.compile``, one
   compilation per length and dtype, reported apart).
 
-The heap is padded as the server pads it (`pad_heap`). Each is called ``--repeats`` times, the variants
-alternated, after a warm-up; medians and ranges are
-reported, the speed as GFLOP/s of the causal half (``2 x 2 x heads x L^2 x head_dim / 2``), the median of
+The heap is padded as the server pads it (`pad_heap`). Each variant is called ``--repeats`` times, the
+variants alternated, after one untimed call each (the one checked against the reference); medians and ranges
+are reported, the speed as GFLOP/s of the causal half (``2 x 2 x heads x L^2 x head_dim / 2``), the median of
 the per-repeat ratios against ``sdpa``, and the largest absolute difference from a float64 reference.
 
 Command (the README's numbers)::
