@@ -61,8 +61,6 @@ from hf_paged_cache.serving import executor
 from hf_paged_cache.serving.heap import pad_heap
 
 PARTS = ("linear", "attention", "gather", "sdpa", "cache update", "writes", "other")
-
-
 STEP_KINDS = ("decode", "prompt")
 
 
@@ -108,7 +106,7 @@ class StepTimers:
 
 
 @contextmanager
-def installed(timers: StepTimers, kind: str = "decode") -> Iterator[None]:
+def installed(timers: StepTimers, kind: str) -> Iterator[None]:
     """The timers around the batcher's forwards of `kind` (`STEP_KINDS`) and their parts, for the duration of
     the block."""
     with ExitStack() as stack:
@@ -147,7 +145,7 @@ def drive(batcher: ContinuousBatcher, prompts: list[list[int]], max_tokens: list
 
 def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list[int], clients: int,
               warmup: list[list[int]], kind: str) -> StepTimers:
-    """One fresh batcher: `warmup`'s prompts (16 tokens each at most), then the timed requests."""
+    """One fresh batcher: `warmup`'s prompts (16 tokens each), then the timed requests."""
     timers = StepTimers()
     with ContinuousBatcher(model) as batcher:
         drive(batcher, warmup, [16] * len(warmup), clients)
@@ -156,7 +154,7 @@ def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list
     return timers
 
 
-def summarise(timers: list[StepTimers], kind: str = "decode") -> dict[str, Any]:
+def summarise(timers: list[StepTimers], kind: str) -> dict[str, Any]:
     steps = [step for t in timers for step in t.steps]
     if not steps:
         raise SystemExit(f"no {kind} step was timed: give more requests, or longer outputs for decode steps alone")
@@ -169,14 +167,13 @@ def summarise(timers: list[StepTimers], kind: str = "decode") -> dict[str, Any]:
         q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values * 3)
         return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
 
-    step_ms = quartiles("step")
+    mean_step = statistics.fmean(s["step"] for s in steps)
     return {
         "steps": len(steps),
         "tokens": sum(tokens),
         "tokens_per_step": statistics.fmean(tokens),
-        "step": step_ms,
-        "parts": {part: quartiles(part) | {"share": statistics.fmean(s[part] for s in steps)
-                                            / statistics.fmean(s["step"] for s in steps)}
+        "step": quartiles("step"),
+        "parts": {part: quartiles(part) | {"share": statistics.fmean(s[part] for s in steps) / mean_step}
                   for part in PARTS},
     }
 
@@ -204,13 +201,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_packed_linears:
         pack_linears(model)  # as the server does by default
     pad_heap()  # as the server does at start-up
+    token_range = prompt_token_range(model, tokenizer)
     workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
-                                 max_output=10**6, token_range=prompt_token_range(model, tokenizer))
+                                 max_output=10**6, token_range=token_range)
     prompts = [list(request.prompt_ids) for request in workload.requests]
     max_tokens = workload.scaled_output_lens(args.output_scale, args.max_new)
     # the warm-up's prompts from another seed, as bench_http.py's: none of the timed prompts is cached by prefix
     warmup = sharegpt_workload(args.concurrency, seed=args.seed + 1, max_prompt=args.max_prompt, max_output=16,
-                               token_range=prompt_token_range(model, tokenizer))
+                               token_range=token_range)
     warmup_prompts = [list(request.prompt_ids) for request in warmup.requests]
     rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, warmup_prompts, args.steps)
               for _ in range(args.repeats)]

@@ -33,6 +33,7 @@ from hf_paged_cache.bench import (
     stored_tokens,
 )
 from hf_paged_cache.bench.narrow import NARROW_HEAD_DIM
+from hf_paged_cache.kernels.packed_linear import packed_linears_supported
 from tiny_models import VOCAB, tiny_model
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -354,7 +355,7 @@ def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_time
 # -------------------------------------------------------------------------------------- bench_prompt_attention
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this PyTorch build")
+@pytest.mark.skipif(not packed_linears_supported(), reason="no oneDNN linear operators in this PyTorch build")
 def test_bench_prompt_attention_times_each_variant_against_a_float64_reference(results_dir: Path) -> None:
     args = ["--lengths", "8,21", "--dtypes", "float32", "--variants", "sdpa,products", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "16", "--repeats", "2", "--threads", "1"]
