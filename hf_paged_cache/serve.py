@@ -171,7 +171,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     import torch
 
     from .attention import set_paged_attention
-    from .kernels import pack_linears
+    from .kernels import mkl_takes_fast_path, pack_linears
     from .serving.batcher import ContinuousBatcher
 
     dtype = resolve_dtype(options.dtype, options.device)
@@ -179,6 +179,9 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     model, tokenizer = _load_model(options, dtype)
     if options.packed_linears and torch.device(options.device).type == "cpu":
         logger.info("packed %d linear layers for oneDNN", pack_linears(model))
+    if torch.device(options.device).type == "cpu" and mkl_takes_fast_path() is False:
+        logger.warning("MKL skips its fast kernels on this CPU (not an Intel one): SDPA's CPU kernels run up to "
+                       "3x slower; see the README's \"MKL on AMD CPUs\" for PyTorch's workaround")
     if options.bmm_decode:
         set_paged_attention(model, decode_by_products=True)
         logger.info("decode steps attend by batched products (%s)", model.config._attn_implementation)
