@@ -372,6 +372,28 @@ def test_bench_prompt_attention_refuses_a_run_without_sdpa() -> None:
         load_script("bench_prompt_attention").parse_args(["--variants", "products"])
 
 
+# -------------------------------------------------------------------------------------- bench_mkl_dispatch
+
+
+@pytest.mark.skipif(not (torch.backends.mkl.is_available() and sys.platform == "linux"), reason="needs MKL on Linux")
+def test_bench_mkl_dispatch_times_every_call_with_and_without_the_override(results_dir: Path, tmp_path: Path) -> None:
+    from test_mkl_dispatch import build_override
+
+    from hf_paged_cache.kernels import mkl_takes_fast_path
+
+    args = ["--preload", str(build_override(tmp_path)), "--rounds", "1", "--calls", "1", "--threads", "1"]
+    result = run_script("bench_mkl_dispatch", args, results_dir / "bench_mkl_dispatch.json")
+    assert result["fast_path"] == {"stock": [str(mkl_takes_fast_path())], "preloaded": ["True"]}
+    assert [row["call"] for row in result["rows"]] == [
+        "linear float32", "prompt sdpa float32", "decode sdpa float32", "prompt sdpa bfloat16", "decode sdpa bfloat16"]
+    assert all(row["stock_us"] > 0 and row["preloaded_us"] > 0 and row["speedup"] > 0 for row in result["rows"])
+
+
+def test_bench_mkl_dispatch_needs_a_library_to_preload() -> None:
+    with pytest.raises(SystemExit):
+        load_script("bench_mkl_dispatch").parse_args([])
+
+
 # -------------------------------------------------------------------------------------- bench_kv_dtype
 
 
