@@ -30,6 +30,9 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
   --max-model-len L --max-num-seqs CONCURRENCY`` (``L`` = the longest request, prompt and answer, rounded up
   to vLLM's CPU block of 128 tokens).
+- ``ours-preloaded`` and ``vllm-preloaded`` (not in the default list): ``ours`` and ``vllm`` started with
+  ``LD_PRELOAD=--preload``, a library whose ``mkl_serv_intel_cpu_true`` returns 1, so that MKL runs its own
+  kernels on a CPU that is not Intel's (the README's "MKL on AMD CPUs"; `hf_paged_cache.kernels.mkl_dispatch`).
 
 ``--dtype`` (float32 or bfloat16) is the model's and the KV cache's dtype in every contender.
 
@@ -152,8 +155,10 @@ from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = (
-    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "vllm", "ray-prefix", "ray-pow2", "ray-single",
+    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "vllm", "ours-preloaded", "vllm-preloaded",
+    "ray-prefix", "ray-pow2", "ray-single",
 )
+PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
 OUR_SERVERS = ("ours", "ours-stock", "ours-bmm")
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
@@ -197,6 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"vllm contender (default: ${VLLM_PYTHON_ENV}, else {DEFAULT_VLLM_PYTHON})")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="seconds a server may take to answer /health (default: 300)")
+    parser.add_argument("--preload", default=None,
+                        help="library preloaded (LD_PRELOAD) into the *-preloaded contenders (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--ray", action="store_true",
                         help="our server on Ray Serve, prefix-aware routing against Ray Serve's own, on shared system "
@@ -212,7 +219,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.contenders = args.contenders or ",".join(RAY_CONTENDERS if args.ray else DEFAULT_CONTENDERS)
     if args.prefixes is None:
         args.prefixes = 4 if args.ray else 0
+    if PRELOADED in args.contenders and (args.preload is None or not Path(args.preload).is_file()):
+        parser.error(f"the *{PRELOADED} contenders need --preload, a library file; got {args.preload!r}")
     return args
+
+
+def base_contender(contender: str) -> str:
+    """The contender that `contender` runs (itself, or the one it preloads a library into)."""
+    return contender.removesuffix(PRELOADED)
 
 
 # ------------------------------------------------------------------ workload
@@ -296,7 +310,7 @@ class Round:
 def request_body(contender: str, job: Job) -> dict[str, Any]:
     """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
     body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
-    if contender in (*OUR_SERVERS, "vllm", *RAY_CONTENDERS):
+    if base_contender(contender) in (*OUR_SERVERS, "vllm", *RAY_CONTENDERS):
         return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
     # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's
@@ -393,9 +407,11 @@ class ServerSettings:
     vllm_python: str = DEFAULT_VLLM_PYTHON
     max_model_len: int = 2048  # vLLM's --max-model-len: the longest request, in whole vLLM blocks
     max_num_seqs: int = 16  # vLLM's --max-num-seqs: the concurrency
+    preload: str | None = None  # LD_PRELOAD of the *-preloaded contenders
     replicas: int = 2  # engine replicas of ray-prefix and ray-pow2
 
     def command(self, contender: str, port: int | str) -> list[str]:
+        contender = base_contender(contender)
         if contender in RAY_CONTENDERS:
             replicas = 1 if contender == "ray-single" else self.replicas
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
@@ -422,11 +438,14 @@ class ServerSettings:
 
     def own_env(self, contender: str) -> dict[str, str]:
         """The variables `contender` alone is started with (shown with its command in the results)."""
-        if contender != "vllm":
-            return {}
+        preload = {}
+        if contender.endswith(PRELOADED):  # before any library the environment already preloads
+            preload = {"LD_PRELOAD": " ".join(filter(None, [str(self.preload), os.environ.get("LD_PRELOAD")]))}
+        if base_contender(contender) != "vllm":
+            return preload
         # vLLM binds its compute threads to these cores (by default one thread on one core).
         cores = "0" if self.threads == 1 else f"0-{self.threads - 1}"
-        return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"} | preload
 
     def command_line(self, contender: str) -> str:
         return " ".join([f"{k}={v}" for k, v in self.own_env(contender).items()] + self.command(contender, "PORT"))
@@ -604,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown or not contenders:
         raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
-    if "vllm" in contenders:
+    if "vllm" in map(base_contender, contenders):
         check_vllm_python(args.vllm_python)
     model_path = str(ensure_offline_default_model()) if args.model == "default" else resolve_model_path(args.model)
     torch.set_num_threads(args.threads)
@@ -622,7 +641,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = ServerSettings(model_path, budget, max(1, budget // (page_size * bytes_per_token)), args.cb_page_size,
                               args.threads, args.start_timeout, dtype=args.dtype, vllm_python=args.vllm_python,
                               max_model_len=math.ceil(longest_request(jobs + warmup) / VLLM_BLOCK_SIZE)
-                              * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency, replicas=args.replicas)
+                              * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency, replicas=args.replicas,
+                              preload=args.preload)
 
     runs: dict[str, list[Round]] = {name: [] for name in contenders}
     plan = [name for _ in range(args.repeats) for name in contenders]

@@ -112,6 +112,23 @@ def test_vllm_is_not_a_default_contender() -> None:
     assert args.contenders.split(",") == ["ours", "transformers", "batcher"] and args.dtype == "float32"
 
 
+def test_preloaded_contenders_run_theirs_with_the_library_preloaded(tmp_path: Path, monkeypatch) -> None:
+    script = load_script("bench_http")
+    with pytest.raises(SystemExit):  # no library to preload
+        script.parse_args(["--contenders", "ours,ours-preloaded"])
+    library = tmp_path / "libmkl_any_cpu.so"
+    library.write_bytes(b"")
+    args = script.parse_args(["--contenders", "ours,ours-preloaded,vllm-preloaded", "--preload", str(library)])
+    monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so")
+    settings = script.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0, preload=args.preload)
+    assert settings.command("ours-preloaded", 1) == settings.command("ours", 1)
+    assert settings.command("vllm-preloaded", 1) == settings.command("vllm", 1)
+    assert "LD_PRELOAD" not in settings.own_env("ours")
+    assert settings.own_env("ours-preloaded") == {"LD_PRELOAD": f"{library} libjemalloc.so"}
+    assert settings.own_env("vllm-preloaded") == settings.own_env("vllm") | {"LD_PRELOAD": f"{library} libjemalloc.so"}
+    assert script.request_body("vllm-preloaded", script.Job("x", [1], 2))["ignore_eos"]
+
+
 def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
     script = load_script("bench_http")
     args = script.parse_args(["--ray", "--prefixes", "3", "--prefix-tokens", "20", "--max-prompt", "16"])
