@@ -15,6 +15,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..kernels import mkl_takes_fast_path
 from ..models import add_model_arguments, load_model_and_tokenizer
 
 
@@ -45,7 +46,8 @@ def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:
-    """CPU model, cores, library versions, device name, date: what a reader needs to weigh the numbers."""
+    """CPU model, cores, library versions, whether MKL runs its own kernels here (`mkl_takes_fast_path`), device
+    name, date: what a reader needs to weigh the numbers."""
     device = torch.device(device)
     cpu = platform.processor() or platform.machine()
     try:
@@ -64,6 +66,7 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "mkl_fast_path": mkl_takes_fast_path(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
