@@ -47,11 +47,13 @@ PROMPT, DECODE_ROWS, DECODE_KEYS = 484, 11, 400
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preload", default=None,
-                        help="the library preloaded in the 'preloaded' children (default: none; required unless --child)")
+                        help="the library preloaded in the 'preloaded' children, required unless --child "
+                             "(default: none)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every child (default: 2)")
     parser.add_argument("--rounds", type=int, default=5, help="child processes of each kind, alternated (default: 5)")
     parser.add_argument("--calls", type=int, default=20, help="timed calls of each kind per child (default: 20)")
-    parser.add_argument("--child", action="store_true", help="time the calls here and print them as JSON (what each child runs)")
+    parser.add_argument("--child", action="store_true",
+                        help="time the calls here and print them as JSON (what each child runs)")
     parser.add_argument("--out", default="results/bench_mkl_dispatch.json",
                         help="JSON output path (default: results/bench_mkl_dispatch.json)")
     args = parser.parse_args(argv)

@@ -36,7 +36,7 @@ def mkl_takes_fast_path() -> bool | None:
     for library in (None, _libtorch_cpu()):
         try:
             check = getattr(ctypes.CDLL(library), VENDOR_CHECK)
-        except (AttributeError, OSError):
+        except (AttributeError, OSError, TypeError):  # not there; no such library; no global scope (Windows)
             continue
         check.restype = ctypes.c_int
         return check() != 0
