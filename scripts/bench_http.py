@@ -139,6 +139,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import ContinuousBatcher, parse_memory
 from hf_paged_cache.bench import (
+    add_workload_args,
     format_table,
     in_fresh_thread,
     kv_bytes_per_token,
@@ -182,12 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"(default: {','.join(DEFAULT_CONTENDERS)}; with --ray {','.join(RAY_CONTENDERS)})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model and KV cache dtype of every contender (default: float32)")
-    parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48)")
+    add_workload_args(parser, num_requests=48)
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent clients (default: 16)")
-    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
-    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
-    parser.add_argument("--output-scale", type=float, default=0.25,
-                        help="multiplies the drawn output lengths before the cap (default: 0.25)")
     parser.add_argument("--threads", type=int, default=2,
                         help="OMP_NUM_THREADS of each server, torch threads of the batcher (default: 2)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (default: 3)")

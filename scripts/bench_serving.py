@@ -52,6 +52,7 @@ from hf_paged_cache import (
 )
 from hf_paged_cache.bench import (
     add_common_args,
+    add_workload_args,
     format_table,
     in_fresh_thread,
     kv_bytes_per_token,
@@ -70,11 +71,7 @@ CONTENDERS = ("dynamic", "paged", "generate_batch", "batcher", "batcher_unpacked
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_serving.json")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
-    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
-    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
-    parser.add_argument("--output-scale", type=float, default=0.25,
-                        help="multiplies the drawn output lengths before the cap (default: 0.25)")
+    add_workload_args(parser, num_requests=64)
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size (default: 16)")
     parser.add_argument("--budget", default=None, help="KV budget, e.g. 512MiB (default: one static batch's need)")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")

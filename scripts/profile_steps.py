@@ -50,7 +50,15 @@ from transformers import AttentionInterface, PreTrainedModel
 from hf_paged_cache import ContinuousBatcher
 from hf_paged_cache.attention import block_attention
 from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
-from hf_paged_cache.bench import add_common_args, format_table, load, prompt_token_range, sharegpt_workload, write_json
+from hf_paged_cache.bench import (
+    add_common_args,
+    add_workload_args,
+    format_table,
+    load,
+    prompt_token_range,
+    sharegpt_workload,
+    write_json,
+)
 from hf_paged_cache.bench.timing import in_fresh_thread
 from hf_paged_cache.cache import layer_io
 from hf_paged_cache.cache.paged_cache import PagedCache
@@ -184,12 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", choices=STEP_KINDS, default="decode",
                         help="which steps to time: decode steps alone, or steps computing prompt tokens "
                              "(default: decode)")
-    parser.add_argument("--num-requests", type=int, default=48, help="requests (default: 48, as bench_http.py)")
+    add_workload_args(parser, num_requests=48)  # bench_http.py's
     parser.add_argument("--concurrency", type=int, default=16, help="clients (default: 16)")
-    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
-    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
-    parser.add_argument("--output-scale", type=float, default=0.25,
-                        help="ShareGPT output lengths times this (default: 0.25, as bench_http.py)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds, each on a fresh batcher (default: 2)")
     parser.add_argument("--no-packed-linears", action="store_true", help="keep the model's stock linear layers")
     return parser.parse_args(argv)

@@ -22,6 +22,7 @@ from .kv_bytes import (
 from .narrow import narrowed
 from .report import (
     add_common_args,
+    add_workload_args,
     format_table,
     load,
     machine_info,

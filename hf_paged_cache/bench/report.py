@@ -30,6 +30,16 @@ def add_common_args(parser: argparse.ArgumentParser, *, out: str) -> None:
     parser.add_argument("--out", default=out, help=f"JSON output path (default: {out})")
 
 
+def add_workload_args(parser: argparse.ArgumentParser, *, num_requests: int) -> None:
+    """``--num-requests --max-prompt --max-new --output-scale``: the ShareGPT-shaped workload (`sharegpt_workload`
+    and its `scaled_output_lens`) of the scripts that serve it, with `num_requests` as the default count."""
+    parser.add_argument("--num-requests", type=int, default=num_requests, help=f"requests (default: {num_requests})")
+    parser.add_argument("--max-prompt", type=int, default=256, help="cap on prompt tokens (default: 256)")
+    parser.add_argument("--max-new", type=int, default=128, help="cap on output tokens (default: 128)")
+    parser.add_argument("--output-scale", type=float, default=0.25,
+                        help="multiplies the drawn output lengths before the cap (default: 0.25)")
+
+
 def load(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Apply ``--threads`` and load ``--model`` on ``--device`` / ``--dtype`` (left padding, pad token set)."""
     if args.threads is not None:
