@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for name in rounds[0]["stock"]["median_us"]:
         stock, preloaded = ([r[kind]["median_us"][name] for r in rounds] for kind in KINDS)
+        ratios = [s / p for s, p in zip(stock, preloaded, strict=True)]  # per round
         rows.append({"call": name, "stock_us": statistics.median(stock), "preloaded_us": statistics.median(preloaded),
-                     "speedup": statistics.median(s / p for s, p in zip(stock, preloaded, strict=True)),
-                     "speedup_range": [min(s / p for s, p in zip(stock, preloaded)),
-                                       max(s / p for s, p in zip(stock, preloaded))]})
+                     "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)]})
     fast_path = {kind: sorted({str(r[kind]["fast_path"]) for r in rounds}) for kind in KINDS}
     payload = {"benchmark": "bench_mkl_dispatch", "args": vars(args), "fast_path": fast_path, "rows": rows,
                "rounds": rounds}
