@@ -113,3 +113,54 @@ def test_generate_with_shared_prompts_matches_dynamic_cache(model_type, mode, ca
     torch.testing.assert_close(paged.sequences, reference.sequences, rtol=0, atol=0)
     for ours, theirs in zip(paged.scores, reference.scores, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Counts SDPA calls made by attention from the pool."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(block_attention.F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+def _repeated_prompts() -> torch.Tensor:
+    """``[4, PROMPT]``: rows 2 and 3 repeat row 0, row 1 differs."""
+    generator = torch.Generator().manual_seed(2)
+    prompt, other = torch.randint(3, VOCAB, (2, PROMPT), generator=generator)
+    return torch.stack([prompt, other, prompt, prompt])
+
+
+@torch.no_grad()
+def test_a_first_forward_attends_a_repeated_prompt_once(sdpa_calls):
+    model = tiny_model("llama", attn_implementation="paged_sdpa")
+    batch = _repeated_prompts()
+    paged = model(batch, cache=PagedCache(model, num_blocks=64)).logits
+    assert len(sdpa_calls) == 2 * model.config.num_hidden_layers  # rows 0 and 1; rows 2 and 3 reuse row 0's
+    reference = model(batch, cache=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(paged, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(paged[2:], paged[:1].expand(2, -1, -1), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_repeated_prompt_whose_queries_differ_is_attended_on_its_own(sdpa_calls):
+    model = tiny_model("llama", attn_implementation="paged_sdpa")
+    last = model.model.layers[-1].self_attn.q_proj
+
+    def nudge_row_2(module, args, output):  # its keys stay row 0's: only the last layer's queries differ
+        output[2] += 0.01
+        return output
+
+    last.register_forward_hook(nudge_row_2)
+    batch = _repeated_prompts()
+    paged = model(batch, cache=PagedCache(model, num_blocks=64)).logits
+    assert len(sdpa_calls) == 2 * model.config.num_hidden_layers + 1  # row 2 in the last layer
+    reference = model(batch, cache=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(paged, reference, rtol=0, atol=1e-5)
+    assert not torch.equal(paged[2], paged[0])
+    torch.testing.assert_close(paged[3], paged[0], rtol=0, atol=0)

@@ -23,6 +23,10 @@ own tail is gathered; the two partial softmaxes merge by their log-sum-exp (`Sha
 attention). At more than one thread, float32 decode steps hand SDPA each query head as a row of its own rather
 than folded into its key/value head's rows, which gives the threads more work to share (`splits_query_heads`).
 
+A first forward's rows that repeat an earlier row (the same prompt: `generate` repeats it for beams and samples,
+`QueryRows.repeats`) share that row's blocks, so they read the same keys and values: a repeat whose queries equal
+its first row's (compared, bit for bit) takes that row's attention output instead of attending again.
+
 A packed forward (`hf_paged_cache.serving.packed`) holds several caches' new tokens in one ``[1, T]`` sequence:
 `attend_packed` cuts the queries into each segment's ``[rows, Hq, q, D]`` and attends each from its own
 cache as above.
@@ -62,6 +66,9 @@ class QueryRows:
     positions: torch.Tensor  # [q] logical positions of the new tokens (the same for every row)
     picked: list[torch.Tensor | None]  # per row: indices of its real new tokens; None = all of them
     spans: list[tuple[int, int] | None]  # per row: first and last real query position; None = all padding
+    # per row, the first row it repeats: the same new tokens at the same positions, reading the same keys
+    # (a first forward's repeated prompts: beams, samples); None when no row repeats another
+    repeats: list[int] | None = None
 
 
 @dataclass
@@ -214,10 +221,16 @@ def attend_from_pool(
     key_dim, value_dim = inputs.keys.dim, inputs.values.dim
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     row_sinks = None if sinks is None else sinks.view(1, heads, groups, 1)  # [1, H, g, 1]
+    # a row that repeats an earlier one reads the same keys and values; with the same queries too, it has the
+    # same outputs (not with dropout, nor with new keys of its own from the states)
+    repeats = inputs.queries.repeats if dropout == 0.0 and inputs.new_states is None else None
     outs = []
     with inputs.lock.shared():
         stored = _every_row_read(inputs)
         for b in range(batch_size):
+            if repeats is not None and repeats[b] != b and torch.equal(query[b], query[repeats[b]]):
+                outs.append(outs[repeats[b]])
+                continue
             picked, query_span = inputs.queries.picked[b], inputs.queries.spans[b]
             if query_span is None:  # this chunk of the row is all padding (chunked prefill): nothing to compute
                 outs.append(query.new_zeros(1, query_heads, query_length, value_dim))

@@ -103,10 +103,7 @@ class PagedBatch:
                 tables.rollback(savepoint)
             self.is_real = undo.is_real
             raise
-        writers = None
-        if sources is not None and len(set(sources)) < batch_size:
-            writers = torch.tensor([s == r for r, s in enumerate(sources)], device=device)  # [B]
-        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, num_layers, writers,
+        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, num_layers, sources,
                     thread=threading.get_ident(), commit_at_end=hooked)
         self.is_real = is_real
         # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool

@@ -74,6 +74,7 @@ class StepIndex:
     is_real: torch.Tensor  # [B, L + q] False where a position is padding
     past_length: int  # L: positions before this step's
     new_from_states: bool = False  # some real new tokens have no slot: attention reads new K/V from the states
+    repeats: list[int] | None = None  # per row, the first row it repeats (`Step.repeats`)
     _read_slots: torch.Tensor | None = None  # read_slots, once made
     _row_keys: dict[int, RowKeys] = field(default_factory=dict)  # row_keys, per offset
     _queries: QueryRows | None = None
@@ -204,7 +205,7 @@ class StepIndex:
                 picked.append(index)
                 past = self.past_length
                 spans.append((past + int(index[0]), past + int(index[-1])) if len(index) else None)
-            self._queries = QueryRows(positions, picked, spans)
+            self._queries = QueryRows(positions, picked, spans, self.repeats)
         return self._queries
 
 
@@ -265,7 +266,9 @@ class Step:
     undo: StepUndo
     keep_from: list[list[int] | None]  # per group, each row's first token kept (sliding windows); None = all
     num_layers: int  # layers that write the step: it is complete when all of them have
-    writers: torch.Tensor | None = None  # [B] rows that write their tokens (a repeated row shares the first's)
+    # per row, the first row it repeats (the same new token ids, padding and positions in a first forward:
+    # it shares that row's blocks and keys); None when no row repeats another
+    repeats: list[int] | None = None
     from_pool: bool = False  # attention (paged_sdpa) reads K/V straight from the pool: no dense gather
     thread: int = 0  # threading.get_ident() of the thread running the forward
     commit_at_end: bool = False  # the model's forward hook keeps (or drops) it when the forward ends
@@ -382,7 +385,7 @@ def build_index(step: Step, group: int, tables: BlockTables, is_real: torch.Tens
     index = step.index.get((group, device))
     if index is None:
         is_real, rows = is_real.to(device), tables.view()  # [B, L + q]
-        if step.query_length == 1 and step.all_real and step.keep_from[group] is None and step.writers is None:
+        if step.query_length == 1 and step.all_real and step.keep_from[group] is None and step.repeats is None:
             # a decode step: each row's new token is its last stored one, found in its block list (no tensor op)
             size = rows.block_size
             last = [table[(n - 1) // size] * size + (n - 1) % size for table, n in zip(rows.tables, rows.num_tokens)]
@@ -403,14 +406,15 @@ def _full_index(step: Step, group: int, rows: RowsView, is_real: torch.Tensor) -
         # tokens before the first block the window keeps get no slot, except in a block held already
         written = new_real & (slots[:, step.past_length :] >= rows.block_size)
         new_from_states = bool((written != new_real).any())
-    if step.writers is not None:
-        written = written & step.writers.to(is_real.device).unsqueeze(1)  # a repeated row's tokens are the first's
+    if step.repeats is not None:  # a repeated row's tokens are the first's
+        writers = torch.tensor([first == row for row, first in enumerate(step.repeats)], device=is_real.device)
+        written = written & writers.unsqueeze(1)  # [B, q]
     if written is new_real and step.all_real:
         write_slots, write_rows = slots[:, step.past_length :].reshape(-1), None
     else:
         write_slots = slots[:, step.past_length :][written]  # [N]
         write_rows = written.reshape(-1).nonzero().squeeze(1)  # [N]
-    return StepIndex(write_slots, write_rows, rows, is_real, step.past_length, new_from_states, slots)
+    return StepIndex(write_slots, write_rows, rows, is_real, step.past_length, new_from_states, step.repeats, slots)
 
 
 def position_slots(rows: RowsView, is_real: torch.Tensor) -> torch.Tensor:
