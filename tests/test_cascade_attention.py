@@ -1,4 +1,7 @@
-"""Decode steps whose rows share their first keys (beams, samples of one prompt) attend them once for all rows."""
+"""Rows that share their keys (beams, samples of one prompt) attend them once: the shared prefix in decode steps
+(cascade), and a repeated prompt in the first forward."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -164,3 +167,23 @@ def test_a_repeated_prompt_whose_queries_differ_is_attended_on_its_own(sdpa_call
     torch.testing.assert_close(paged, reference, rtol=0, atol=1e-5)
     assert not torch.equal(paged[2], paged[0])
     torch.testing.assert_close(paged[3], paged[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
+@torch.no_grad()
+def test_attending_a_repeated_prompt_once_changes_no_output(monkeypatch, sdpa_calls, model_type, dtype, kv_dtype):
+    model = tiny_model(model_type, attn_implementation="paged_sdpa").to(dtype)
+    batch = _repeated_prompts()
+    reused = model(batch, cache=PagedCache(model, num_blocks=64, kv_dtype=kv_dtype)).logits
+    calls_reused = len(sdpa_calls)
+    original = StepIndex.queries
+
+    def without_repeats(self):
+        queries = original(self)
+        return dataclasses.replace(queries, repeats=None)
+
+    monkeypatch.setattr(StepIndex, "queries", without_repeats)
+    computed = model(batch, cache=PagedCache(model, num_blocks=64, kv_dtype=kv_dtype)).logits
+    assert calls_reused < len(sdpa_calls) - calls_reused  # the repeats were attended once
+    torch.testing.assert_close(reused, computed, rtol=0, atol=0)
