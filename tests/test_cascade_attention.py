@@ -77,18 +77,23 @@ def test_no_cascade_for_rows_that_share_too_little_padding_or_a_window():
     assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, window=40).shared is None
 
 
-@pytest.fixture
-def cascades(monkeypatch):
-    """Counts decode attentions that took the cascade."""
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """A list that gains an entry at every call of ``owner.name`` from now on (wrapped for the test)."""
     calls = []
-    original = block_attention._attend_cascade
+    original = getattr(owner, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(block_attention, "_attend_cascade", counted)
+    monkeypatch.setattr(owner, name, counted)
     return calls
+
+
+@pytest.fixture
+def cascades(monkeypatch):
+    """Counts decode attentions that took the cascade."""
+    return _count_calls(monkeypatch, block_attention, "_attend_cascade")
 
 
 MODES = {
@@ -121,15 +126,7 @@ def test_generate_with_shared_prompts_matches_dynamic_cache(model_type, mode, ca
 @pytest.fixture
 def sdpa_calls(monkeypatch):
     """Counts SDPA calls made by attention from the pool."""
-    calls = []
-    original = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(block_attention.F, "scaled_dot_product_attention", counted)
-    return calls
+    return _count_calls(monkeypatch, block_attention.F, "scaled_dot_product_attention")
 
 
 def _repeated_prompts() -> torch.Tensor:
