@@ -136,11 +136,17 @@ def _repeated_prompts() -> torch.Tensor:
     return torch.stack([prompt, other, prompt, prompt])
 
 
+def _whole_forward(model, batch: torch.Tensor, cache) -> torch.Tensor:
+    """The logits of a first forward that computes every row: asking for hidden states keeps the model's hooks
+    from cutting it to its distinct rows (`tests/test_first_forward_repeats.py`), so attention sees the repeats."""
+    return model(batch, cache=cache, output_hidden_states=True).logits
+
+
 @torch.no_grad()
 def test_a_first_forward_attends_a_repeated_prompt_once(sdpa_calls):
     model = tiny_model("llama", attn_implementation="paged_sdpa")
     batch = _repeated_prompts()
-    paged = model(batch, cache=PagedCache(model, num_blocks=64)).logits
+    paged = _whole_forward(model, batch, PagedCache(model, num_blocks=64))
     assert len(sdpa_calls) == 2 * model.config.num_hidden_layers  # rows 0 and 1; rows 2 and 3 reuse row 0's
     reference = model(batch, cache=DynamicCache(config=model.config)).logits
     torch.testing.assert_close(paged, reference, rtol=0, atol=1e-5)
@@ -158,7 +164,7 @@ def test_a_repeated_prompt_whose_queries_differ_is_attended_on_its_own(sdpa_call
 
     last.register_forward_hook(nudge_row_2)
     batch = _repeated_prompts()
-    paged = model(batch, cache=PagedCache(model, num_blocks=64)).logits
+    paged = _whole_forward(model, batch, PagedCache(model, num_blocks=64))
     assert len(sdpa_calls) == 2 * model.config.num_hidden_layers + 1  # row 2 in the last layer
     reference = model(batch, cache=DynamicCache(config=model.config)).logits
     torch.testing.assert_close(paged, reference, rtol=0, atol=1e-5)
@@ -172,7 +178,7 @@ def test_a_repeated_prompt_whose_queries_differ_is_attended_on_its_own(sdpa_call
 def test_attending_a_repeated_prompt_once_changes_no_output(monkeypatch, sdpa_calls, model_type, dtype, kv_dtype):
     model = tiny_model(model_type, attn_implementation="paged_sdpa").to(dtype)
     batch = _repeated_prompts()
-    reused = model(batch, cache=PagedCache(model, num_blocks=64, kv_dtype=kv_dtype)).logits
+    reused = _whole_forward(model, batch, PagedCache(model, num_blocks=64, kv_dtype=kv_dtype))
     calls_reused = len(sdpa_calls)
     original = StepIndex.queries
 
@@ -181,6 +187,6 @@ def test_attending_a_repeated_prompt_once_changes_no_output(monkeypatch, sdpa_ca
         return dataclasses.replace(queries, repeats=None)
 
     monkeypatch.setattr(StepIndex, "queries", without_repeats)
-    computed = model(batch, cache=PagedCache(model, num_blocks=64, kv_dtype=kv_dtype)).logits
+    computed = _whole_forward(model, batch, PagedCache(model, num_blocks=64, kv_dtype=kv_dtype))
     assert calls_reused < len(sdpa_calls) - calls_reused  # the repeats were attended once
     torch.testing.assert_close(reused, computed, rtol=0, atol=0)

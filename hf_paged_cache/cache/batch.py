@@ -10,7 +10,7 @@ import torch
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, RowsView, slots_for_positions
-from .inputs import PendingInputs
+from .inputs import PendingInputs, repeated_rows
 from .layer_io import gather
 from .prefix import adopt_longest_prefix
 from .step import (
@@ -79,7 +79,7 @@ class PagedBatch:
         new_real, new_ids, positions, attention, hooked = self.pending.take(batch_size, query_length)  # [B, q]
         sources = None  # per row, the first row it repeats (a first forward's repeated prompts)
         if rows == 0 and past_length == 0:
-            sources = _repeats(new_ids, new_real, positions)
+            sources = repeated_rows(new_ids, new_real, positions)
             self.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         elif rows and batch_size != rows and batch_size % rows == 0:
             # generate() expands input_ids (num_return_sequences, num_beams) but not a cache passed to it:
@@ -271,24 +271,3 @@ def _left_pad(is_real: torch.Tensor, length: int) -> torch.Tensor:
     """``[B, length]``: `is_real` ``[B, L]`` with ``length - L`` padding positions in front."""
     padding = torch.zeros(is_real.shape[0], length - is_real.shape[1], dtype=torch.bool, device=is_real.device)
     return torch.cat([padding, is_real], dim=1)
-
-
-def _repeats(
-    new_ids: torch.Tensor | None, new_real: torch.Tensor | None, positions: torch.Tensor | None
-) -> list[int] | None:
-    """Per row, the first row with the same token ids, padding and positions; None when ids are unknown or
-    no row repeats another.
-
-    A row that repeats an earlier one computes the same keys and values, so it can share that row's blocks.
-    """
-    if new_ids is None:
-        return None
-    columns = [new_ids]  # [B, q] each
-    if new_real is not None:
-        columns.append(new_real.to(new_ids.device, new_ids.dtype))
-    if positions is not None and positions.ndim == 2 and positions.shape[0] == new_ids.shape[0]:
-        columns.append(positions.to(new_ids.device, new_ids.dtype))
-    keys = [tuple(row) for row in torch.cat(columns, dim=1).tolist()]
-    first: dict[tuple[int, ...], int] = {}
-    sources = [first.setdefault(key, row) for row, key in enumerate(keys)]
-    return sources if len(first) < len(keys) else None

@@ -9,6 +9,13 @@ A forward hook, run even when the forward raises (``always_call``), then tells t
 ended (`InputObserver.forward_ended`): the cache keeps the step once the whole forward, LM head included,
 has succeeded, and rolls it back at once when any part of it raised.
 
+A first forward whose rows repeat each other (`generate` repeats every prompt ``k`` times for beams and for
+``num_return_sequences``) is computed once per distinct row: the pre-hook cuts the forward's row arguments to
+the distinct rows (`distinct_rows`), and the forward hook repeats the cache's rows (sharing their blocks) and
+the output's logits back to the batch the caller gave. Only forwards whose arguments hold nothing else per row
+are cut (token ids, padding mask, positions); any other argument, or a request for per-row outputs, leaves the
+forward as it is.
+
 The hooks hold no cache, so a cache that is dropped leaves nothing behind on the model, and any number
 of caches (in any number of threads) can share one model without seeing each other's inputs.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -40,6 +48,97 @@ class InputObserver(Protocol):
     ) -> None: ...
 
     def forward_ended(self, failed: bool) -> None: ...
+
+    def computes_repeats_once(self) -> bool: ...
+
+    def repeat_rows_after_forward(self, rows: torch.Tensor) -> None: ...
+
+    def take_rows_after_forward(self) -> torch.Tensor | None: ...
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+
+
+ROW_ARGUMENTS = ("input_ids", "attention_mask", "position_ids")
+"""A first forward's arguments that hold rows: cut to its distinct rows when its other rows repeat them."""
+
+SHARED_ARGUMENTS = frozenset({"cache", "past_key_values", "cache_position", "logits_to_keep", "use_cache", "return_dict"})
+"""The arguments a forward cut to its distinct rows may carry besides `ROW_ARGUMENTS` (none holds rows);
+any other one given (not None or False) leaves the forward whole."""
+
+
+def repeated_rows(
+    new_ids: torch.Tensor | None, new_real: torch.Tensor | None, positions: torch.Tensor | None
+) -> list[int] | None:
+    """Per row, the first row with the same token ids, padding and positions; None when ids are unknown or
+    no row repeats another.
+
+    A row that repeats an earlier one computes the same keys and values, so it can share that row's blocks.
+    """
+    if new_ids is None:
+        return None
+    columns = [new_ids]  # [B, q] each
+    if new_real is not None:
+        columns.append(new_real.to(new_ids.device, new_ids.dtype))
+    if positions is not None and positions.ndim == 2 and positions.shape[0] == new_ids.shape[0]:
+        columns.append(positions.to(new_ids.device, new_ids.dtype))
+    keys = [tuple(row) for row in torch.cat(columns, dim=1).tolist()]
+    first: dict[tuple[int, ...], int] = {}
+    sources = [first.setdefault(key, row) for row, key in enumerate(keys)]
+    return sources if len(first) < len(keys) else None
+
+
+def distinct_rows(
+    target: InputObserver, config: object, bound: dict
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a first forward whose rows repeat each other: ``(kept, rows)``, the distinct rows to compute ``[B']``
+    and, for each row of the batch, which of them it is ``[B]``. None when the forward must run as given: the
+    cache is not empty, no row repeats another, or an argument (or the config) asks for more than logits."""
+    input_ids = bound.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[0] < 2:
+        return None
+    if bound.get("return_dict") is False or any(
+        name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
+        for name, value in bound.items()
+    ):
+        return None  # other arguments may hold rows (labels, images) or ask for per-row outputs (hidden states)
+    if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
+        return None
+    batch_size, length = input_ids.shape
+    mask, positions = bound.get("attention_mask"), bound.get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (batch_size, length)):
+        return None
+    if positions is not None and (
+        not isinstance(positions, torch.Tensor) or positions.ndim != 2 or positions.shape[0] not in (1, batch_size)
+    ):
+        return None
+    if not target.computes_repeats_once():
+        return None
+    sources = repeated_rows(input_ids, None if mask is None else mask.bool(), positions)
+    if sources is None:
+        return None
+    kept = sorted(set(sources))
+    rows = [kept.index(source) for source in sources]
+    return torch.tensor(kept, device=input_ids.device), torch.tensor(rows, device=input_ids.device)
+
+
+def _cut_rows(bound: dict, kept: torch.Tensor, batch_size: int) -> dict:
+    """`bound` with its row arguments cut to rows `kept` (a ``[1, q]`` position tensor serves every row)."""
+    return {
+        name: value.index_select(0, kept)
+        if name in ROW_ARGUMENTS and isinstance(value, torch.Tensor) and value.shape[0] == batch_size
+        else value
+        for name, value in bound.items()
+    }
+
+
+def _repeat_output(output: object, rows: torch.Tensor, computed: int) -> object:
+    """The forward's output with every tensor field of `computed` rows (logits) repeated to rows `rows` ``[B]``."""
+    if not isinstance(output, Mapping):
+        return output
+    for name, value in list(output.items()):
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == computed:
+            output[name] = value.index_select(0, rows)
+    return output
 
 
 class PendingInputs:
@@ -154,11 +253,19 @@ def _input_hook(names: list[str]):
         if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
             target.observe_inputs(None, None, 0)  # the model itself raises on inputs it cannot take
             return
+        distinct = distinct_rows(target, module.config, bound)
+        if distinct is not None:  # computed once per distinct row, repeated by the forward hook
+            kept, rows = distinct
+            bound = _cut_rows(bound, kept, rows.shape[0])
+            input_ids = bound["input_ids"]
+            target.repeat_rows_after_forward(rows)
         attention = getattr(module.config.get_text_config(decoder=True), "_attn_implementation", None)
         target.observe_inputs(
             input_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"), attention,
             hooked=True,
         )
+        if distinct is not None:
+            return (), bound  # every argument by name (the bound ones included), the row ones cut
 
     return hook
 
@@ -168,7 +275,14 @@ def _end_hook(names: list[str]):
         if kwargs is None:
             return  # registered while this forward ran (see the pre-hook): it was not observed either
         target, _ = _observer(names, args, kwargs)
-        if target is not None:
-            target.forward_ended(failed=output is None)  # torch passes None when the forward raised
+        if target is None:
+            return None
+        rows = target.take_rows_after_forward()
+        target.forward_ended(failed=output is None)  # torch passes None when the forward raised
+        if rows is None or output is None:
+            return None
+        computed = target.batch_size
+        target.batch_select_indices(rows)  # each repeated row shares its computed row's blocks
+        return _repeat_output(output, rows, computed)
 
     return hook

@@ -82,6 +82,9 @@ class PagedCache(BlockSharing, Cache):
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
         self.steps = StepTracker(self.batch, self.layers, manual_commit)
+        # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
+        # rows[i] (`repeat_rows_after_forward`)
+        self._rows_after_forward: torch.Tensor | None = None
         # A cache dropped without `release()` gives its blocks back at once (it is in no reference cycle).
         self._finalizer = weakref.finalize(self, _release_all, self.batch.groups)
         if model is not None:
@@ -120,6 +123,23 @@ class PagedCache(BlockSharing, Cache):
         )
         self.steps.leave(layer, step)
         return result
+
+    def computes_repeats_once(self) -> bool:
+        """Whether the next forward may compute each distinct row of a batch whose rows repeat each other once
+        (`generate` repeats every prompt for beams and samples; the model's hooks then cut the forward to the
+        distinct rows and repeat its logits and this cache's rows after it): an empty cache that keeps its
+        steps itself (not `manual_commit`)."""
+        return self.batch_size == 0 and not self.steps.manual_commit
+
+    def repeat_rows_after_forward(self, rows: torch.Tensor) -> None:
+        """The running forward computes only distinct rows: when it has ended well, row ``i`` of the batch its
+        caller gave becomes computed row ``rows[i]`` ``[B]``, sharing its blocks (`take_rows_after_forward`)."""
+        self._rows_after_forward = rows
+
+    def take_rows_after_forward(self) -> torch.Tensor | None:
+        """The running forward's `repeat_rows_after_forward` rows (None when it computes every row), then forget them."""
+        rows, self._rows_after_forward = self._rows_after_forward, None
+        return rows
 
     def forward_ended(self, failed: bool) -> None:
         """Called by the model's forward hook when a forward on this cache ends: keeps the step it made (with
