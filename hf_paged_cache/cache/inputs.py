@@ -96,6 +96,8 @@ def distinct_rows(
     input_ids = bound.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[0] < 2:
         return None
+    if not target.computes_repeats_once():  # first: most forwards continue a cache
+        return None
     if bound.get("return_dict") is False or any(
         name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
         for name, value in bound.items()
@@ -110,8 +112,6 @@ def distinct_rows(
     if positions is not None and (
         not isinstance(positions, torch.Tensor) or positions.ndim != 2 or positions.shape[0] not in (1, batch_size)
     ):
-        return None
-    if not target.computes_repeats_once():
         return None
     sources = repeated_rows(input_ids, None if mask is None else mask.bool(), positions)
     if sources is None:
