@@ -61,7 +61,9 @@ class InputObserver(Protocol):
 ROW_ARGUMENTS = ("input_ids", "attention_mask", "position_ids")
 """A first forward's arguments that hold rows: cut to its distinct rows when its other rows repeat them."""
 
-SHARED_ARGUMENTS = frozenset({"cache", "past_key_values", "cache_position", "logits_to_keep", "use_cache", "return_dict"})
+SHARED_ARGUMENTS = frozenset(
+    {"cache", "past_key_values", "cache_position", "logits_to_keep", "use_cache", "return_dict"}
+)
 """The arguments a forward cut to its distinct rows may carry besides `ROW_ARGUMENTS` (none holds rows);
 any other one given (not None or False) leaves the forward whole."""
 
@@ -105,6 +107,8 @@ def distinct_rows(
         return None  # other arguments may hold rows (labels, images) or ask for per-row outputs (hidden states)
     if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
         return None
+    if bound.get("return_dict") is None and getattr(config, "return_dict", True) is False:
+        return None  # a tuple comes back: only a model output's fields are repeated by name
     batch_size, length = input_ids.shape
     mask, positions = bound.get("attention_mask"), bound.get("position_ids")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (batch_size, length)):

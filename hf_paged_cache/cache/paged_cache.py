@@ -137,7 +137,7 @@ class PagedCache(BlockSharing, Cache):
         self._rows_after_forward = rows
 
     def take_rows_after_forward(self) -> torch.Tensor | None:
-        """The running forward's `repeat_rows_after_forward` rows (None when it computes every row), then forget them."""
+        """The running forward's `repeat_rows_after_forward` rows (None when it computes every row); forgets them."""
         rows, self._rows_after_forward = self._rows_after_forward, None
         return rows
 
