@@ -115,7 +115,6 @@ def test_forwards_that_ask_for_more_than_logits_or_continue_a_cache_stay_whole()
     with PagedCache(model, num_blocks=64) as cache:
         model(batch[:2], cache=cache)  # no row repeats another
         assert rows[-1] == 2
-    model.config.return_dict = False  # a tuple comes back
     with PagedCache(model, num_blocks=64) as cache:
-        logits = model(batch, cache=cache)[0]
+        logits = model(batch, cache=cache, return_dict=False)[0]  # a tuple comes back
         assert rows[-1] == 4 and logits.shape[0] == 4
