@@ -57,6 +57,9 @@ class InputObserver(Protocol):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None: ...
 
+    @property
+    def batch_size(self) -> int: ...
+
 
 ROW_ARGUMENTS = ("input_ids", "attention_mask", "position_ids")
 """A first forward's arguments that hold rows: cut to its distinct rows when its other rows repeat them."""
@@ -100,14 +103,15 @@ def distinct_rows(
         return None
     if not target.computes_repeats_once():  # first: most forwards continue a cache
         return None
-    if bound.get("return_dict") is False or any(
+    if any(
         name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
         for name, value in bound.items()
     ):
         return None  # other arguments may hold rows (labels, images) or ask for per-row outputs (hidden states)
     if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
         return None
-    if bound.get("return_dict") is None and getattr(config, "return_dict", True) is False:
+    return_dict = bound.get("return_dict")
+    if (getattr(config, "return_dict", True) if return_dict is None else return_dict) is False:
         return None  # a tuple comes back: only a model output's fields are repeated by name
     batch_size, length = input_ids.shape
     mask, positions = bound.get("attention_mask"), bound.get("position_ids")
