@@ -92,16 +92,16 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
     assert_pieces_match_one_forward(model, batch, [(start, start + 16) for start in range(0, 48, 16)], num_blocks=32)
 
 
-@pytest.mark.parametrize("by_products", [False, True], ids=["paged_sdpa", "paged_bmm"])
+@pytest.mark.parametrize("decode", ["sdpa", "products"], ids=["paged_sdpa", "paged_bmm"])
 @pytest.mark.parametrize("call_cost, most_groups", [(step_module.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
-def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups, by_products):
+def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups, decode):
     # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
     # gpt_oss): the logits of one plain forward, whether the full-attention layers' decode steps attend the
     # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row, by SDPA or by products
     monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
     model = tiny_model(model_type)
-    set_paged_attention(model, decode_by_products=by_products)
+    set_paged_attention(model, decode=decode)
     calls = count_calls(monkeypatch, block_attention, "_attend_decode")
     products = count_calls(monkeypatch, block_attention, "product_attention")
     grouping = []
@@ -112,7 +112,7 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
     assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step, every layer
     assert max(len(groups) for groups in grouping) == most_groups
     # paged_bmm: float32 groups by batched products, unless soft-capping or sinks need the explicit softmax
-    assert bool(products) == (by_products and model_type in ("llama", "gemma3_text"))
+    assert bool(products) == (decode == "products" and model_type in ("llama", "gemma3_text"))
     # the sliding layers' rows all read their last 12 columns: one group whatever the cost
     if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
         assert min(len(groups) for groups in grouping) == 1

@@ -13,9 +13,11 @@ saves (two gathers and one SDPA call per row and layer), and one padded call ove
 padding of the short rows. So the rows are grouped by length (`KeyGroup`, planned once per step): each group's
 keys are gathered padded to its longest row (all groups' in one gather, which several threads share:
 `gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed
-cost per call (`cache.step.length_groups`): an SDPA call, or, with `decode_by_products` (``paged_bmm``), in
+cost per call (`cache.step.length_groups`): an SDPA call, or, with ``decode="products"`` (``paged_bmm``), in
 float32, two batched matrix products and a softmax (`product_attention`), faster on CPUs at two threads but
-equal to SDPA only up to float32 rounding. When every row's keys fill consecutive slots (a row alone, whose
+equal to SDPA only up to float32 rounding. With ``decode="flex"`` (``paged_flex``), a float32 decode step of two
+rows or more on a CPU copies nothing: a compiled `flex_attention` reads each row's blocks in place
+(`flex_decode`). When every row's keys fill consecutive slots (a row alone, whose
 blocks follow each other, or a fresh batch), each row attends instead from a strided view of the pool, with no
 copy at all. When the rows share their first keys in consecutive slots (beams, or samples of one prompt,
 reading the prompt's blocks), the shared keys are attended once for all rows from a view and only each row's
@@ -45,9 +47,15 @@ import torch.nn.functional as F
 
 from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
+from .flex_decode import BlockRows, FlexDecodePlan, attend_flex, flex_decode_applies, plan_flex_decode
 
 PAGED_INPUTS = "paged_attention_inputs"
 """The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
+
+DECODE_KERNELS = ("sdpa", "products", "flex")
+"""How a decode step's rows attend: SDPA over gathered keys (``paged_sdpa``), batched products over them in
+float32 (``paged_bmm``, `product_attention`), or a compiled `flex_attention` reading the blocks in place
+(``paged_flex``, `flex_decode`)."""
 
 
 @dataclass
@@ -113,8 +121,20 @@ class PaddedKeys:
     # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `groups` stay whole,
     # for attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
     shared: SharedPrefix | None = None
+    # the rows' block tables, when every key of a row is in its blocks from the first (no sliding window): what
+    # `flex_plan` reads for ``paged_flex``
+    blocks: BlockRows | None = None
     # (heads, storage slots) -> `row_major_rows` of that storage: the same for every layer of the step
     _row_major: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    # (query heads per key/value head, storage slots) -> `flex_plan`: likewise
+    _flex: dict[tuple[int, int], FlexDecodePlan] = field(default_factory=dict, repr=False)
+
+    def flex_plan(self, groups: int, capacity: int, device: torch.device) -> FlexDecodePlan:
+        """The step's block mask for ``paged_flex`` (`plan_flex_decode`), made by the first layer that asks."""
+        key = (groups, capacity)
+        if key not in self._flex:
+            self._flex[key] = plan_flex_decode(self.blocks, groups, capacity, device)
+        return self._flex[key]
 
     def row_major_rows(self, heads: int, capacity: int) -> torch.Tensor:
         """``[N * H]``: the rows of a ``[H * capacity, D]`` view of ``[H, capacity, D]`` storage that hold every
@@ -187,14 +207,14 @@ def attend_packed(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
-    decode_by_products: bool = False,
+    decode: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of a packed `query` ``[1, Hq, T, D]``, each segment from its own rows; returns ``[1, T, Hq, Dv]``."""
     outs = []
     for span, inputs in zip(packed.spans, packed.inputs, strict=True):
         own = span.unpack(query).contiguous()  # [rows, Hq, length, D]
         # [rows, length, Hq, Dv]
-        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout, decode_by_products)
+        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout, decode)
         outs.append(out.reshape(1, span.rows * span.length, *out.shape[2:]))
     return torch.cat(outs, dim=1)
 
@@ -206,15 +226,15 @@ def attend_from_pool(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
-    decode_by_products: bool = False,
+    decode: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
 
     Padding queries (new tokens that are padding) are not computed: their output is zero.
-    `decode_by_products`: a float32 decode step's groups of rows attend by `product_attention`, not SDPA.
+    `decode`: how a decode step's rows attend (one of `DECODE_KERNELS`).
     """
     if inputs.padded is not None:
-        return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout, decode_by_products)
+        return _attend_decode(query, inputs, inputs.padded, scaling, softcap, sinks, dropout, decode)
     batch_size, query_heads, query_length, _ = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -273,10 +293,11 @@ def _attend_decode(
     softcap: float | None,
     sinks: torch.Tensor | None,
     dropout: float,
-    by_products: bool,
+    decode: str,
 ) -> torch.Tensor:
-    """One new token per row: each group of rows at once over its padded keys (or views, or the cascade);
-    returns ``[B, 1, Hq, Dv]``. `by_products`: float32 groups by `product_attention` (plain storage only)."""
+    """One new token per row: each group of rows at once over its padded keys (or views, or the cascade, or in
+    place by `flex_decode`); returns ``[B, 1, Hq, Dv]``. `decode`: one of `DECODE_KERNELS` (``products``: float32
+    groups by `product_attention`; ``flex``: float32 rows read in place; both on plain storage only)."""
     batch_size, query_heads, _, key_dim = query.shape
     heads = inputs.num_kv_heads
     groups = query_heads // heads
@@ -294,6 +315,15 @@ def _attend_decode(
             row_query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=split_heads
         )
 
+    plain = softcap is None and sinks is None and dropout == 0.0
+    if decode == "flex" and plain and padded.blocks is not None and padded.shared is None:
+        keys, values = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
+        if values is not None and flex_decode_applies(query, keys):
+            with inputs.lock.shared():  # the storage is read in place
+                plan = padded.flex_plan(groups, keys.shape[1], query.device)
+                out = attend_flex(query, keys, values, plan, scale)
+            if out is not None:
+                return out
     if padded.runs is not None:
         with inputs.lock.shared():  # views of the storage: read them before letting the lock go
             return _attend_views(query, inputs, padded.runs, split_heads, call)
@@ -308,13 +338,12 @@ def _attend_decode(
         return call(row_query, keys, values, mask).view(rows, heads, groups, -1)  # -> [n, H, g, Dv]
 
     with inputs.lock.shared():
-        plain = softcap is None and sinks is None and dropout == 0.0
         if padded.shared is not None and plain:
             out = _attend_cascade(grouped, inputs, padded.shared, scale)  # [B, H, g, Dv]
             return out.reshape(batch_size, 1, query_heads, -1)
         key_storage, value_storage = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
         plain_storage = key_storage is not None and value_storage is not None
-        by_products = by_products and plain and query.dtype == torch.float32 and plain_storage
+        by_products = decode == "products" and plain and query.dtype == torch.float32 and plain_storage
         row_major = plain_storage and (by_products or gathers_rows())
         if row_major:
             keys, values = _gather_row_major(key_storage, padded), _gather_row_major(value_storage, padded)

@@ -18,6 +18,9 @@ Either way it adds, over the stock ``sdpa`` path:
 
 ``paged_bmm`` (`BMM_ATTENTION_NAME`, opt-in) is the same function with a float32 decode step's groups of rows
 attended by batched matrix products rather than SDPA: faster on CPUs at two threads, not bit for bit.
+``paged_flex`` (`FLEX_ATTENTION_NAME`, opt-in) attends a float32 decode step's rows on a CPU by a compiled
+`flex_attention` that reads their blocks in place, with no gather (`flex_decode`): it compiles on its first
+decode step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .block_attention import (
+    DECODE_KERNELS,
     PAGED_INPUTS,
     PackedAttentionInputs,
     attend_from_pool,
@@ -40,7 +44,13 @@ BMM_ATTENTION_NAME = "paged_bmm"
 """``paged_sdpa``, except that a float32 decode step's groups of rows attend by two batched matrix products
 (`block_attention.product_attention`): faster on CPUs at two threads, equal to ``paged_sdpa`` up to float32
 rounding but not bit for bit (so greedy search can part from `DynamicCache`'s at a near-tie)."""
-PAGED_ATTENTION_NAMES = (ATTENTION_NAME, BMM_ATTENTION_NAME)
+FLEX_ATTENTION_NAME = "paged_flex"
+"""``paged_sdpa``, except that a float32 decode step of two rows or more on a CPU reads each row's blocks in place
+through a compiled `flex_attention` (`flex_decode`): no gather, one call for all rows. It compiles on its first
+decode step (a few seconds) and needs a C++ compiler (without one it gathers as ``paged_sdpa`` does); equal to
+``paged_sdpa`` up to float32 rounding, not bit for bit."""
+PAGED_ATTENTION_NAMES = (ATTENTION_NAME, BMM_ATTENTION_NAME, FLEX_ATTENTION_NAME)
+"""The paged attentions, in the order of the `DECODE_KERNELS` their decode steps use."""
 
 
 def paged_sdpa_attention(
@@ -52,7 +62,7 @@ def paged_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     softcap: float | None = None,
-    decode_by_products: bool = False,
+    decode: str = "sdpa",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Scaled dot-product attention for a paged cache: from the pool when it can, else over dense K/V.
@@ -63,7 +73,7 @@ def paged_sdpa_attention(
             ``paged_attention_inputs``.
         attention_mask: ``[B, 1, q, kv]`` bool (True = attend) or additive float mask, or None for causal.
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` before masking.
-        decode_by_products: what ``paged_bmm`` sets (see `BMM_ATTENTION_NAME`).
+        decode: how a decode step's rows attend (`DECODE_KERNELS`): what ``paged_bmm`` and ``paged_flex`` set.
         kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`, or
             from a packed forward's `PackedCaches`, whose `query` is ``[1, Hq, T, D]``).
     Returns:
@@ -77,9 +87,9 @@ def paged_sdpa_attention(
     dropout = dropout if module.training else 0.0
     paged = kwargs.get(PAGED_INPUTS)
     if isinstance(paged, PackedAttentionInputs):
-        return attend_packed(query, paged, scaling, softcap, sinks, dropout, decode_by_products), None
+        return attend_packed(query, paged, scaling, softcap, sinks, dropout, decode), None
     if paged is not None:
-        return attend_from_pool(query, paged, scaling, softcap, sinks, dropout, decode_by_products), None
+        return attend_from_pool(query, paged, scaling, softcap, sinks, dropout, decode), None
 
     q_len, kv_len = query.shape[2], key.shape[2]
     if query.shape[1] % key.shape[1]:
@@ -112,12 +122,19 @@ def paged_sdpa_attention(
 
 def paged_bmm_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:
     """``paged_bmm``: `paged_sdpa_attention` with a float32 decode step's groups of rows by batched products."""
-    return paged_sdpa_attention(*args, decode_by_products=True, **kwargs)
+    return paged_sdpa_attention(*args, decode="products", **kwargs)
 
 
-def set_paged_attention(model: PreTrainedModel, decode_by_products: bool = False) -> None:
-    """Switch `model` to ``paged_sdpa`` (``paged_bmm`` with `decode_by_products`, see `BMM_ATTENTION_NAME`), or
-    raise `NotImplementedError` if its architecture cannot use it.
+def paged_flex_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:
+    """``paged_flex``: `paged_sdpa_attention` with a float32 decode step's rows read in place by `flex_attention`."""
+    return paged_sdpa_attention(*args, decode="flex", **kwargs)
+
+
+def set_paged_attention(model: PreTrainedModel, decode: str = "sdpa") -> None:
+    """Switch `model` to ``paged_sdpa``, or to the paged attention whose decode steps attend as `decode` says
+    (``"products"``: ``paged_bmm``, see `BMM_ATTENTION_NAME`; ``"flex"``: ``paged_flex``, see
+    `FLEX_ATTENTION_NAME`); raise `NotImplementedError` if the architecture cannot use it, `ValueError` for another
+    `decode`.
 
     Prefer this to ``model.set_attn_implementation("paged_sdpa")`` for two architectures:
 
@@ -133,7 +150,9 @@ def set_paged_attention(model: PreTrainedModel, decode_by_products: bool = False
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
             f"so it cannot run {ATTENTION_NAME!r}; use PagedCache with its default attention instead"
         )
-    name = BMM_ATTENTION_NAME if decode_by_products else ATTENTION_NAME
+    if decode not in DECODE_KERNELS:
+        raise ValueError(f"decode must be one of {DECODE_KERNELS}, not {decode!r}")
+    name = PAGED_ATTENTION_NAMES[DECODE_KERNELS.index(decode)]
     try:
         model.set_attn_implementation(name)
     except ValueError:
@@ -144,11 +163,13 @@ def set_paged_attention(model: PreTrainedModel, decode_by_products: bool = False
 
 
 def register_paged_attention() -> None:
-    """Make ``attn_implementation="paged_sdpa"`` (and ``"paged_bmm"``) available to every transformers model.
+    """Make ``attn_implementation="paged_sdpa"`` (and ``"paged_bmm"``, ``"paged_flex"``) available to every
+    transformers model.
 
     Idempotent; runs when `hf_paged_cache` is imported.
     """
     AttentionInterface.register(ATTENTION_NAME, paged_sdpa_attention)
     AttentionInterface.register(BMM_ATTENTION_NAME, paged_bmm_attention)
+    AttentionInterface.register(FLEX_ATTENTION_NAME, paged_flex_attention)
     for name in PAGED_ATTENTION_NAMES:
         AttentionMaskInterface.register(name, sdpa_mask)

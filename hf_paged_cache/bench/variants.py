@@ -8,20 +8,22 @@ from collections.abc import Iterator
 
 from transformers import PreTrainedModel
 
-from ..attention import BMM_ATTENTION_NAME, PAGED_ATTENTION_NAMES, set_paged_attention
+from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
+from ..attention.block_attention import DECODE_KERNELS
 
-VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm")
+VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm", "paged_flex")
 """``dynamic``: DynamicCache, the model's attention; ``paged``: PagedCache, the same attention; ``paged_sdpa``:
-PagedCache with `set_paged_attention`; ``paged_bmm``: the same with ``decode_by_products=True``."""
+PagedCache with `set_paged_attention`; ``paged_bmm`` and ``paged_flex``: the same with ``decode="products"`` and
+``decode="flex"``."""
 
 
 @contextlib.contextmanager
 def variant_attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
-    """Run the block with ``paged_sdpa`` (``paged_bmm``) for that variant, the model's own attention
-    otherwise."""
+    """Run the block with the paged attention a variant names (``paged_sdpa``, ``paged_bmm``, ``paged_flex``), the
+    model's own attention otherwise."""
     original = model.config._attn_implementation
     if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
-        set_paged_attention(model, decode_by_products=variant == BMM_ATTENTION_NAME)
+        set_paged_attention(model, decode=DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(variant)])
     try:
         yield
     finally:

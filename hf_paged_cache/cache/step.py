@@ -141,10 +141,12 @@ class StepIndex:
         elif views and offset == 0 and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
             runs = consecutive_runs(self.rows)
             if runs is not None:
-                return PaddedKeys(None, [], runs)
+                return PaddedKeys(None, [], runs, blocks=self.rows)
         padded = PaddedKeys(*self._key_groups(offset, mask))
         if views and window is None and mask.device.type == "cpu":
             padded.shared = self._shared_prefix(offset, mask)
+        if views and window is None and offset == 0:
+            padded.blocks = self.rows  # every key of a row in its blocks from the first: `paged_flex` reads them
         return padded
 
     def _key_groups(self, offset: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[KeyGroup]]:
