@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -67,10 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
              "much faster small batches, float32 rounding apart the same products, twice the linear weights' "
              "memory (default: on; --no-packed-linears for the stock kernels)",
     )
-    parser.add_argument(
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument(
         "--bmm-decode", action="store_true",
         help="attend float32 decode steps by batched matrix products (the paged_bmm attention): faster at two "
              "threads and more, the same up to float32 rounding, not bit for bit (default: off, paged_sdpa)",
+    )
+    decode.add_argument(
+        "--flex-decode", action="store_true",
+        help="attend float32 decode steps on a CPU by a compiled flex_attention that reads the blocks in place (the "
+             "paged_flex attention; compiled at start-up, a C++ compiler needed): no gather, the same up to float32 "
+             "rounding, not bit for bit (default: off, paged_sdpa)",
     )
     parser.add_argument(
         "--pad-heap", action=argparse.BooleanOptionalAction, default=True,
@@ -183,15 +191,27 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         logger.warning("MKL skips its fast kernels on this CPU (not an Intel one): SDPA's CPU kernels run up to "
                        "3x slower; see the README's \"MKL on AMD CPUs\" for PyTorch's workaround")
     if options.bmm_decode:
-        set_paged_attention(model, decode_by_products=True)
+        set_paged_attention(model, decode="products")
         logger.info("decode steps attend by batched products (%s)", model.config._attn_implementation)
+    if options.flex_decode:
+        set_paged_attention(model, decode="flex")
+        logger.info("decode steps read the blocks in place (%s)", model.config._attn_implementation)
     batcher = ContinuousBatcher(
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
     )
     _log_pool(batcher)
+    if options.flex_decode:
+        _compile_flex_decode(batcher)
     return batcher, tokenizer
+
+
+def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
+    """Compile ``paged_flex``'s kernel before the first request: two short requests decode some steps together."""
+    start = time.perf_counter()
+    batcher.generate([[0] * 3, [0] * 5], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    logger.info("paged_flex: decode kernel ready in %.1f s", time.perf_counter() - start)
 
 
 def _load_model(options: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -365,6 +366,30 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
         answers = batcher.generate(prompts, max_new_tokens=12, min_new_tokens=12)
     assert [len(answer) for answer in answers] == [12, 12, 12]
     assert products  # the rows' blocks interleave as they grow: their decode steps attend by products
+
+
+def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_dir, reference, monkeypatch, caplog):
+    """``--flex-decode`` serves on ``paged_flex``: its kernel compiled at start-up, then decode steps read the
+    blocks in place; greedy answers equal `generate` alone."""
+    from hf_paged_cache.attention import flex_decode
+    from hf_paged_cache.serve import build_parser, load_batcher
+
+    model, tokenizer = reference
+    prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
+    runs = []
+    original = flex_decode.attend_flex
+    monkeypatch.setattr(flex_decode, "attend_flex", lambda *args: runs.append(1) or original(*args))
+    monkeypatch.setattr("hf_paged_cache.attention.block_attention.attend_flex", flex_decode.attend_flex)
+    options = build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--flex-decode"])
+    with caplog.at_level(logging.INFO, logger="hf_paged_cache.serve"):
+        batcher, _ = load_batcher(options)
+    with batcher:
+        assert batcher.model.config._attn_implementation == "paged_flex"
+        assert any(r.getMessage().startswith("paged_flex: decode kernel ready in") for r in caplog.records)
+        warmed_up = len(runs)
+        answers = batcher.generate(prompts, max_new_tokens=12, min_new_tokens=12)
+    assert warmed_up and len(runs) > warmed_up
+    assert answers == [generate_alone(model, p, 12) for p in prompts]
 
 
 def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(model_dir, reference, tmp_path):
