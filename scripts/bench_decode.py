@@ -11,7 +11,9 @@ Scenarios (``--modes``), each on ragged left-padded batches of the seeded ShareG
 
 Variants (``--variants``): ``dynamic`` (DynamicCache, the model's attention, sdpa by default), ``paged``
 (PagedCache, same attention), ``paged_sdpa`` (PagedCache with ``set_paged_attention``) and, when asked,
-``paged_bmm`` (the same with ``decode_by_products=True``: float32 decode steps by batched products). Each
+``paged_bmm`` (the same with ``decode="products"``: float32 decode steps by batched products) and ``paged_flex``
+(``decode="flex"``: float32 decode steps read the blocks in place by a compiled ``flex_attention``; its compile
+falls in the untimed warm-up). Each
 scenario first runs every variant once with ``--warmup-tokens`` new tokens (not timed), then ``--repeats`` rounds
 of D, P, P_sdpa, D, P, ... so that slow drifts of a shared machine hit all variants alike.
 
@@ -83,7 +85,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 
-DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm when asked: it is not the library's default
+DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm, paged_flex when asked: not the library's default
 MODES = ("greedy", "beam", "sample")
 
 

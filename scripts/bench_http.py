@@ -25,6 +25,8 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
 - ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
   as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
 - ``ours-bmm`` (not in the default list): ``ours`` with ``--bmm-decode`` (the ``paged_bmm`` attention);
+- ``ours-flex`` and ``batcher-flex`` (not in the default list): ``ours`` with ``--flex-decode``, and ``batcher`` on
+  the same attention (``paged_flex``: decode steps read the blocks in place, `hf_paged_cache.attention.flex_decode`);
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
   ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
@@ -138,6 +140,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import ContinuousBatcher, parse_memory
+from hf_paged_cache.attention import set_paged_attention
 from hf_paged_cache.bench import (
     add_workload_args,
     format_table,
@@ -156,11 +159,12 @@ from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = (
-    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "vllm", "ours-preloaded", "vllm-preloaded",
-    "ray-prefix", "ray-pow2", "ray-single",
+    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
+    "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
-OUR_SERVERS = ("ours", "ours-stock", "ours-bmm")
+OUR_SERVERS = ("ours", "ours-stock", "ours-bmm", "ours-flex")
+BATCHERS = {"batcher": "sdpa", "batcher-flex": "flex"}  # the in-process contenders, and how their decode steps attend
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
 STATS_SETTLE_S = 1.5  # Ray replicas post their pool stats every 0.5 s, and the ingress reads them as often
@@ -417,7 +421,8 @@ class ServerSettings:
                     "--replica-threads", str(max(1, self.threads // replicas)),
                     "--router", "pow2" if contender == "ray-pow2" else "prefix"]
         if contender in OUR_SERVERS:
-            flags = {"ours": [], "ours-stock": ["--no-packed-linears"], "ours-bmm": ["--bmm-decode"]}[contender]
+            flags = {"ours": [], "ours-stock": ["--no-packed-linears"], "ours-bmm": ["--bmm-decode"],
+                     "ours-flex": ["--flex-decode"]}[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
                     self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
                     *flags]
@@ -626,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=args.dtype)
     pack_linears(model)  # as our server does by default (only the batcher contender runs this model)
-    if "batcher" in contenders:
+    if BATCHERS.keys() & set(contenders):
         pad_heap()  # as our server does at start-up, so that `ours / batcher` is what HTTP costs
     bytes_per_token = kv_bytes_per_token(model.config, model.dtype)
     jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
@@ -647,7 +652,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tqdm(plan, desc="rounds", unit="run") as bar:
         for name in bar:
             bar.set_postfix_str(name)
-            if name == "batcher":
+            if name in BATCHERS:
+                set_paged_attention(model, decode=BATCHERS[name])  # the batcher keeps a paged attention it is given
                 runs[name].append(in_fresh_thread(run_batcher_round, model, tokenizer, jobs, warmup, budget,
                                                   args.concurrency))
             else:
@@ -663,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "budget_bytes": budget, "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
         "prefix_hit_ceiling": prefix_hit_ceiling(jobs),
         "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
-        "commands": {c: settings.command_line(c) for c in contenders if c != "batcher"},
+        "commands": {c: settings.command_line(c) for c in contenders if c not in BATCHERS},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
     }
     results["identical_texts"] = {

@@ -12,8 +12,8 @@ The new tokens are the first variant's greedy choices (as ``generate`` would fee
 computes exactly the same steps; each step's last-position logits are compared with the first variant's
 (largest absolute difference, and whether every greedy choice agrees). Inputs are built as ``generate``
 builds them: the attention mask grows by one column a step and each row's position is its count of real
-tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm``
-(see `hf_paged_cache.bench.VARIANTS`).
+tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm``, ``paged_flex``
+(see `hf_paged_cache.bench.VARIANTS`; ``paged_flex`` compiles its kernel in the untimed warm-up steps).
 
 ``--prompt-lens`` gives the batch: lengths separated by commas, ``LxN`` for ``N`` rows of ``L`` tokens (e.g.
 ``512`` for batch 1, ``300x16`` for 16 equal rows, ``60,150,250,400,550,700,850,1000`` for a ragged batch).

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from hf_paged_cache import ContinuousBatcher
-from hf_paged_cache.attention import block_attention
-from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
+from hf_paged_cache.attention import PAGED_ATTENTION_NAMES, block_attention, set_paged_attention
+from hf_paged_cache.attention.block_attention import DECODE_KERNELS
 from hf_paged_cache.bench import (
     add_common_args,
     add_workload_args,
@@ -114,9 +114,9 @@ class StepTimers:
 
 
 @contextmanager
-def installed(timers: StepTimers, kind: str) -> Iterator[None]:
-    """The timers around the batcher's forwards of `kind` (`STEP_KINDS`) and their parts, for the duration of
-    the block."""
+def installed(timers: StepTimers, kind: str, attention: str) -> Iterator[None]:
+    """The timers around the batcher's forwards of `kind` (`STEP_KINDS`) and their parts (the model's paged
+    `attention` among them), for the duration of the block."""
     with ExitStack() as stack:
         patch = stack.enter_context
         step_executor = executor.StepExecutor
@@ -136,8 +136,9 @@ def installed(timers: StepTimers, kind: str) -> Iterator[None]:
                                 timers.timed("sdpa", F.scaled_dot_product_attention)))
         patch(mock.patch.object(PagedCache, "update", timers.timed("cache update", PagedCache.update)))
         patch(mock.patch.object(layer_io, "write_new_tokens", timers.timed("writes", layer_io.write_new_tokens)))
-        AttentionInterface.register(ATTENTION_NAME, timers.timed("attention", paged_sdpa_attention))
-        stack.callback(AttentionInterface.register, ATTENTION_NAME, paged_sdpa_attention)
+        attend = AttentionInterface()[attention]
+        AttentionInterface.register(attention, timers.timed("attention", attend))
+        stack.callback(AttentionInterface.register, attention, attend)
         yield
 
 
@@ -152,12 +153,12 @@ def drive(batcher: ContinuousBatcher, prompts: list[list[int]], max_tokens: list
 
 
 def run_round(model: PreTrainedModel, prompts: list[list[int]], max_tokens: list[int], clients: int,
-              warmup: list[list[int]], kind: str) -> StepTimers:
+              warmup: list[list[int]], kind: str, attention: str) -> StepTimers:
     """One fresh batcher: `warmup`'s prompts (16 tokens each), then the timed requests."""
     timers = StepTimers()
     with ContinuousBatcher(model) as batcher:
         drive(batcher, warmup, [16] * len(warmup), clients)
-        with installed(timers, kind):
+        with installed(timers, kind, attention):
             drive(batcher, prompts, max_tokens, clients)
     return timers
 
@@ -196,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="clients (default: 16)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds, each on a fresh batcher (default: 2)")
     parser.add_argument("--no-packed-linears", action="store_true", help="keep the model's stock linear layers")
+    parser.add_argument("--attention", choices=PAGED_ATTENTION_NAMES, default=PAGED_ATTENTION_NAMES[0],
+                        help=f"the batcher's paged attention (default: {PAGED_ATTENTION_NAMES[0]})")
     return parser.parse_args(argv)
 
 
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_packed_linears:
         pack_linears(model)  # as the server does by default
     pad_heap()  # as the server does at start-up
+    set_paged_attention(model, decode=DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(args.attention)])
     token_range = prompt_token_range(model, tokenizer)
     workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
                                  max_output=10**6, token_range=token_range)
@@ -214,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warmup = sharegpt_workload(args.concurrency, seed=args.seed + 1, max_prompt=args.max_prompt, max_output=16,
                                token_range=token_range)
     warmup_prompts = [list(request.prompt_ids) for request in warmup.requests]
-    rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, warmup_prompts, args.steps)
-              for _ in range(args.repeats)]
+    rounds = [in_fresh_thread(run_round, model, prompts, max_tokens, args.concurrency, warmup_prompts, args.steps,
+                              args.attention) for _ in range(args.repeats)]
     summary = summarise(rounds, args.steps)
     payload = {"benchmark": "profile_steps", "kind": args.steps, "args": vars(args),
                "threads": torch.get_num_threads(), "dtype": str(model.dtype)} | summary
