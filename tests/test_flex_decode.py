@@ -9,10 +9,17 @@ from test_paged_attention import count_calls
 from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
+import hf_paged_cache.cache.step as step_module
 from hf_paged_cache import ContinuousBatcher, PagedCache, set_paged_attention
 from hf_paged_cache.attention import block_attention, flex_decode
-from hf_paged_cache.attention.flex_decode import FLEX_KERNEL, attend_flex, balanced_order, plan_flex_decode
+from hf_paged_cache.attention.flex_decode import FLEX_KERNEL, attend_flex, balanced_order, plan_flex_decode, warm_up
 from hf_paged_cache.cache.block_table import RowsView
+
+
+@pytest.fixture
+def rows_in_groups(monkeypatch):
+    """Every decode step's rows in groups of their own (no call cost): the steps ``paged_flex`` reads in place."""
+    monkeypatch.setattr(step_module, "DECODE_CALL_COST", 0)
 
 
 def test_rows_go_to_the_kernel_long_and_short_in_turn():
@@ -79,7 +86,7 @@ def flex_runs(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, model_type):
+def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, rows_in_groups, model_type):
     # 3 ragged rows (left padding 0, 7 and 13), 20 new tokens: the tokens of DynamicCache, scores within 1e-5;
     # every decode step's full-attention layers read in place (gemma3's sliding layers gather, as paged_sdpa)
     model = tiny_model(model_type)
@@ -88,18 +95,21 @@ def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, model_type):
     reference = model.generate(**batch, cache=DynamicCache(config=model.config), **options)
     set_paged_attention(model, decode="flex")
     runs = flex_runs(monkeypatch)
+    views = count_calls(monkeypatch, block_attention, "_attend_views")
     gathers = count_calls(monkeypatch, block_attention, "_group_parts")
     with PagedCache(model, num_blocks=32) as cache:
         paged = model.generate(**batch, cache=cache, **options)
     assert torch.equal(paged.sequences, reference.sequences)
     torch.testing.assert_close(torch.stack(paged.scores), torch.stack(reference.scores), atol=1e-5, rtol=0)
     full_layers = model.config.layer_types.count("full_attention") if model_type == "gemma3_text" else 2
-    assert len(runs) == 19 * full_layers  # every decode step after the prefill
+    # every decode step after the prefill: from views of their blocks while every row's blocks follow each other
+    # (the first steps), then in place
+    assert len(runs) + len(views) == 19 * full_layers and len(runs) > len(views)
     # keys and values of the sliding layers only
     assert len(gathers) == 2 * 19 * (model.config.num_hidden_layers - full_layers)
 
 
-def test_what_a_blocks_earlier_holder_left_in_it_does_not_leak_into_a_row():
+def test_what_a_blocks_earlier_holder_left_in_it_does_not_leak_into_a_row(rows_in_groups):
     # every slot of the pool but the null block's holds NaN, as the garbage of fresh memory or a failed request's
     # keys might; the kernel multiplies a row's last block whole, its slots past the row's keys by a zero weight
     model = tiny_model("llama")
@@ -115,10 +125,13 @@ def test_what_a_blocks_earlier_holder_left_in_it_does_not_leak_into_a_row():
     assert torch.equal(paged, reference)
 
 
-def test_paged_flex_leaves_bfloat16_and_a_row_alone_to_paged_sdpa(monkeypatch):
+def test_paged_flex_leaves_rows_alike_a_row_alone_and_bfloat16_to_paged_sdpa(monkeypatch):
     model = tiny_model("llama")
     set_paged_attention(model, decode="flex")
     runs = flex_runs(monkeypatch)
+    with PagedCache(model, num_blocks=32) as cache:  # rows 7 tokens apart: one group, one SDPA call
+        model.generate(**ragged_batch([0, 7], 20), cache=cache, max_new_tokens=20, do_sample=False)
+    monkeypatch.setattr(step_module, "DECODE_CALL_COST", 0)  # in groups of their own from here on
     with PagedCache(model, num_blocks=32) as cache:  # one row: it attends from a view of its blocks
         model.generate(**ragged_batch([0], 20), cache=cache, max_new_tokens=5, do_sample=False)
     model.to(torch.bfloat16)
@@ -131,7 +144,7 @@ def test_paged_flex_leaves_bfloat16_and_a_row_alone_to_paged_sdpa(monkeypatch):
         assert torch.equal(flex, model.generate(**batch, cache=cache, max_new_tokens=5, do_sample=False))
 
 
-def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_all(monkeypatch, caplog):
+def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_all(monkeypatch, rows_in_groups, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("C++ compile error\ng++: not found")
 
@@ -139,12 +152,12 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_al
     monkeypatch.setattr(FLEX_KERNEL, "_failed", False)
     model = tiny_model("llama")
     batch = ragged_batch([0, 7], 20, seed=5)
-    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=8,
+    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=20,
                                do_sample=False)
     set_paged_attention(model, decode="flex")
     runs = flex_runs(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=flex_decode.__name__), PagedCache(model, num_blocks=32) as cache:
-        paged = model.generate(**batch, cache=cache, max_new_tokens=8, do_sample=False)
+        paged = model.generate(**batch, cache=cache, max_new_tokens=20, do_sample=False)
     assert torch.equal(paged, reference)
     assert not FLEX_KERNEL.available
     assert len(runs) == 1  # tried once: later layers and steps gather without asking again
@@ -154,7 +167,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_al
     ]
 
 
-def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone():
+def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone(monkeypatch, rows_in_groups):
     # 4 requests of 5 to 40 prompt tokens decoding together, their blocks interleaved as they grow
     model = tiny_model("llama")
     prompts = [ragged_batch([0], length, seed=length)["input_ids"][0].tolist() for length in (5, 40, 17, 26)]
@@ -164,6 +177,16 @@ def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone():
         for p in prompts
     ]
     set_paged_attention(model, decode="flex")
+    runs = flex_runs(monkeypatch)
     with ContinuousBatcher(model, num_blocks=64) as batcher:
         answers = batcher.generate(prompts, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert answers == expected
+    assert runs
+
+
+def test_warm_up_compiles_for_float32_on_a_cpu_only(monkeypatch):
+    runs = flex_runs(monkeypatch)
+    assert warm_up(2, 2, 16, 16, torch.float32, torch.device("cpu"))
+    assert runs == [True]
+    assert not warm_up(2, 2, 16, 16, torch.bfloat16, torch.device("cpu"))
+    assert runs == [True]  # nothing compiled for bfloat16

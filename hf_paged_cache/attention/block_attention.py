@@ -15,9 +15,9 @@ keys are gathered padded to its longest row (all groups' in one gather, which se
 `gathers_rows`) and attended in one masked call, the grouping chosen to minimize the keys read plus a fixed
 cost per call (`cache.step.length_groups`): an SDPA call, or, with ``decode="products"`` (``paged_bmm``), in
 float32, two batched matrix products and a softmax (`product_attention`), faster on CPUs at two threads but
-equal to SDPA only up to float32 rounding. With ``decode="flex"`` (``paged_flex``), a float32 decode step of two
-rows or more on a CPU copies nothing: a compiled `flex_attention` reads each row's blocks in place
-(`flex_decode`). When every row's keys fill consecutive slots (a row alone, whose
+equal to SDPA only up to float32 rounding. With ``decode="flex"`` (``paged_flex``), a float32 decode step on a CPU
+whose rows fall in two groups or more copies nothing: a compiled `flex_attention` reads each row's blocks in
+place (`flex_decode`). When every row's keys fill consecutive slots (a row alone, whose
 blocks follow each other, or a fresh batch), each row attends instead from a strided view of the pool, with no
 copy at all. When the rows share their first keys in consecutive slots (beams, or samples of one prompt,
 reading the prompt's blocks), the shared keys are attended once for all rows from a view and only each row's
@@ -316,7 +316,8 @@ def _attend_decode(
         )
 
     plain = softcap is None and sinks is None and dropout == 0.0
-    if decode == "flex" and plain and padded.blocks is not None and padded.shared is None:
+    # rows alike (one group) are attended as fast by one SDPA call over their gathered keys (`flex_decode`)
+    if decode == "flex" and plain and padded.blocks is not None and len(padded.groups) > 1:
         keys, values = inputs.keys.plain, inputs.values.plain  # [H, slots, D] or None
         if values is not None and flex_decode_applies(query, keys):
             with inputs.lock.shared():  # the storage is read in place

@@ -12,6 +12,12 @@ heads are the query rows of one call (``[B, H, g, D]``), so each block is read o
 The kernel shares its work among threads by (row, head) in order, so the rows are handed to it long and short in
 turn (`balanced_order`): consecutive rows then hold about as many keys, and the threads as much work.
 
+It reads each block of 16 keys by a product of its own, which costs more per key than SDPA over a long run of
+gathered keys: rows of about one length (which `paged_sdpa` attends in one group, one SDPA call over their
+gathered keys) are left to that (16 rows of 300 tokens at two threads: 0.90x `DynamicCache`'s step time in place
+against 0.95x gathered). `paged_flex` reads in place the decode steps whose rows `paged_sdpa` would attend in two
+groups or more (`cache.step.length_groups`), where the copy and the calls cost the most.
+
 Measured on SmolLM2-135M (3 key/value heads of 64, 9 query heads, float32, 30 layers, a 2-core AMD EPYC;
 `scripts/bench_steps.py`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 89.6 against
 100.3 ms with ``paged_sdpa`` at one thread and 73.7 against 81.4 ms at two. What it costs: the first call compiles
@@ -176,10 +182,31 @@ class FlexKernel:
 FLEX_KERNEL = FlexKernel()
 
 
+def warm_up(heads: int, groups: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Compile the kernel for a model's attention shape (`heads` key/value heads of `groups` query heads each),
+    as its first decode step would; whether it compiled (False, compiling nothing, for a dtype or device the
+    kernel does not take: those steps gather).
+    """
+    if dtype not in FLEX_DTYPES or torch.device(device).type != "cpu":
+        return False
+    rows = _WarmUpRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=16)
+    keys = torch.zeros(heads, 4 * 16, key_dim, dtype=dtype, device=device)  # [H, slots, D]: 4 blocks
+    values = torch.zeros(heads, 4 * 16, value_dim, dtype=dtype, device=device)
+    query = torch.zeros(2, heads * groups, 1, key_dim, dtype=dtype, device=device)  # [B, Hq, 1, D]
+    plan = plan_flex_decode(rows, groups, keys.shape[1], device)
+    return attend_flex(query, keys, values, plan, key_dim**-0.5) is not None
+
+
+@dataclass
+class _WarmUpRows:
+    tables: list[list[int]]
+    num_tokens: list[int]
+    block_size: int
+
+
 def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bool:
-    """Whether the compiled kernel can attend this decode step: plain float32 storage on a CPU, two rows or more
-    (a row alone attends from a view of its blocks when they are consecutive, faster still), and no earlier
-    compile failure."""
+    """Whether the compiled kernel can attend this decode step: plain float32 storage on a CPU, two rows or more,
+    and no earlier compile failure."""
     return (
         storage is not None
         and query.shape[0] > 1

@@ -18,9 +18,9 @@ Either way it adds, over the stock ``sdpa`` path:
 
 ``paged_bmm`` (`BMM_ATTENTION_NAME`, opt-in) is the same function with a float32 decode step's groups of rows
 attended by batched matrix products rather than SDPA: faster on CPUs at two threads, not bit for bit.
-``paged_flex`` (`FLEX_ATTENTION_NAME`, opt-in) attends a float32 decode step's rows on a CPU by a compiled
-`flex_attention` that reads their blocks in place, with no gather (`flex_decode`): it compiles on its first
-decode step.
+``paged_flex`` (`FLEX_ATTENTION_NAME`, opt-in) attends a float32 decode step's rows of differing lengths on a CPU
+by a compiled `flex_attention` that reads their blocks in place, with no gather (`flex_decode`): it compiles on its
+first such step.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ BMM_ATTENTION_NAME = "paged_bmm"
 (`block_attention.product_attention`): faster on CPUs at two threads, equal to ``paged_sdpa`` up to float32
 rounding but not bit for bit (so greedy search can part from `DynamicCache`'s at a near-tie)."""
 FLEX_ATTENTION_NAME = "paged_flex"
-"""``paged_sdpa``, except that a float32 decode step of two rows or more on a CPU reads each row's blocks in place
-through a compiled `flex_attention` (`flex_decode`): no gather, one call for all rows. It compiles on its first
+"""``paged_sdpa``, except that a float32 decode step on a CPU whose rows differ in length (two groups or more)
+reads each row's blocks in place through a compiled `flex_attention` (`flex_decode`): no gather, one call. It compiles on its first
 decode step (a few seconds) and needs a C++ compiler (without one it gathers as ``paged_sdpa`` does); equal to
 ``paged_sdpa`` up to float32 rounding, not bit for bit."""
 PAGED_ATTENTION_NAMES = (ATTENTION_NAME, BMM_ATTENTION_NAME, FLEX_ATTENTION_NAME)
