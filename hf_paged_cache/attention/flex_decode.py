@@ -19,8 +19,9 @@ against 0.95x gathered). `paged_flex` reads in place the decode steps whose rows
 groups or more (`cache.step.length_groups`), where the copy and the calls cost the most.
 
 Measured on SmolLM2-135M (3 key/value heads of 64, 9 query heads, float32, 30 layers, a 2-core AMD EPYC;
-`scripts/bench_steps.py`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 89.6 against
-100.3 ms with ``paged_sdpa`` at one thread and 73.7 against 81.4 ms at two. What it costs: the first call compiles
+`scripts/bench_steps.py`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 97.5 against
+109.7 ms with ``paged_sdpa`` at one thread and 76.8 against 84.3 ms at two (`DynamicCache`: 128.6 and 96.7 ms).
+What it costs: the first call compiles
 the kernel (a few seconds; once per process, thread count and head shape, since the other sizes are dynamic), and
 it needs a C++ compiler; a compile that fails is reported once and the steps gather from then on (`FlexKernel`).
 Float32 only: in bfloat16 the kernel ran slower than the gather and SDPA (11 to 16 rows of 100 to 300 keys: 0.33
