@@ -209,19 +209,20 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
 
 def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
     """Compile ``paged_flex``'s kernel for each attention shape of the model before the first request."""
-    from .attention.flex_decode import warm_up
+    from .attention.flex_decode import FLEX_DTYPES, warm_up
 
     model, pool = batcher.model, batcher.pool
+    if pool.dtype not in FLEX_DTYPES or model.device.type != "cpu":
+        logger.warning("paged_flex reads blocks in place in float32 on a CPU only: %s decode steps on %s gather as "
+                       "paged_sdpa's", pool.dtype, model.device)
+        return
     query_heads = model.config.get_text_config(decoder=True).num_attention_heads
     start = time.perf_counter()
     shapes = {(layer.num_heads, layer.key_dim, layer.value_dim) for layer in pool.layout.layers}
-    compiled = all([warm_up(heads, query_heads // heads, key_dim, value_dim, pool.dtype, model.device)
-                    for heads, key_dim, value_dim in sorted(shapes)])
-    if compiled:
+    if all([warm_up(heads, query_heads // heads, key_dim, value_dim, pool.dtype, model.device)
+            for heads, key_dim, value_dim in sorted(shapes)]):
         logger.info("paged_flex: decode kernel ready in %.1f s", time.perf_counter() - start)
-    else:
-        logger.warning("paged_flex reads blocks in place in float32 on a CPU only: %s decode steps on %s gather as "
-                       "paged_sdpa's", pool.dtype, model.device)
+    # else the kernel logged why it did not compile, and decode steps gather as paged_sdpa's
 
 
 def _load_model(options: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, Any]:
