@@ -1,6 +1,7 @@
 """paged_flex: a decode step's rows read their blocks in place through a compiled flex_attention, no gather."""
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,12 @@ from hf_paged_cache import ContinuousBatcher, PagedCache, set_paged_attention
 from hf_paged_cache.attention import block_attention, flex_decode
 from hf_paged_cache.attention.flex_decode import FLEX_KERNEL, attend_flex, balanced_order, plan_flex_decode, warm_up
 from hf_paged_cache.cache.block_table import RowsView
+
+
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(name) for name in ("g++", "c++", "clang++")),
+    reason="paged_flex's kernel is compiled by inductor, which needs a C++ compiler",
+)
 
 
 @pytest.fixture
@@ -57,6 +64,7 @@ def scattered_rows(lengths: list[int], capacity_blocks: int, seed: int) -> RowsV
     return RowsView(tables=tables, num_tokens=list(lengths), block_size=16)
 
 
+@needs_compiler
 def test_attention_read_in_place_equals_sdpa_over_each_rows_gathered_keys():
     # 5 rows of 1 to 70 keys in blocks scattered over a 40-block storage; 2 key/value heads of 3 query heads
     heads, groups, dim, lengths = 2, 3, 8, [1, 16, 70, 33, 47]
@@ -85,6 +93,7 @@ def flex_runs(monkeypatch) -> list[bool]:
     return runs
 
 
+@needs_compiler
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, rows_in_groups, model_type):
     # 3 ragged rows (left padding 0, 7 and 13), 20 new tokens: the tokens of DynamicCache, scores within 1e-5;
@@ -109,6 +118,7 @@ def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, rows_in_groups
     assert len(gathers) == 2 * 19 * (model.config.num_hidden_layers - full_layers)
 
 
+@needs_compiler
 def test_what_a_blocks_earlier_holder_left_in_it_does_not_leak_into_a_row(rows_in_groups):
     # every slot of the pool but the null block's holds NaN, as the garbage of fresh memory or a failed request's
     # keys might; the kernel multiplies a row's last block whole, its slots past the row's keys by a zero weight
@@ -167,6 +177,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_al
     ]
 
 
+@needs_compiler
 def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone(monkeypatch, rows_in_groups):
     # 4 requests of 5 to 40 prompt tokens decoding together, their blocks interleaved as they grow
     model = tiny_model("llama")
@@ -184,6 +195,7 @@ def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone(monkey
     assert runs
 
 
+@needs_compiler
 def test_warm_up_compiles_for_float32_on_a_cpu_only(monkeypatch):
     runs = flex_runs(monkeypatch)
     assert warm_up(2, 2, 16, 16, torch.float32, torch.device("cpu"))

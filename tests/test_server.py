@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -368,6 +369,8 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
     assert products  # the rows' blocks interleave as they grow: their decode steps attend by products
 
 
+@pytest.mark.skipif(not any(shutil.which(name) for name in ("g++", "c++", "clang++")),
+                    reason="paged_flex's kernel is compiled by inductor, which needs a C++ compiler")
 def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_dir, reference, monkeypatch, caplog):
     """``--flex-decode`` serves on ``paged_flex``: its kernel compiled at start-up, then decode steps read the
     blocks in place (every step's rows in groups of their own here); greedy answers equal `generate` alone."""
