@@ -206,11 +206,10 @@ class _WarmUpRows:
 
 
 def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bool:
-    """Whether the compiled kernel can attend this decode step: plain float32 storage on a CPU, two rows or more,
-    and no earlier compile failure."""
+    """Whether the compiled kernel can attend this decode step: plain float32 storage on a CPU, and no earlier
+    compile failure."""
     return (
         storage is not None
-        and query.shape[0] > 1
         and query.device.type == "cpu"
         and query.dtype in FLEX_DTYPES
         and storage.dtype == query.dtype

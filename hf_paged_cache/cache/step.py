@@ -141,7 +141,7 @@ class StepIndex:
         elif views and offset == 0 and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
             runs = consecutive_runs(self.rows)
             if runs is not None:
-                return PaddedKeys(None, [], runs, blocks=self.rows)
+                return PaddedKeys(None, [], runs)
         padded = PaddedKeys(*self._key_groups(offset, mask))
         if views and window is None and mask.device.type == "cpu":
             padded.shared = self._shared_prefix(offset, mask)
