@@ -118,6 +118,22 @@ def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, rows_in_groups
     assert len(gathers) == 2 * 19 * (model.config.num_hidden_layers - full_layers)
 
 
+def test_rows_sharing_a_prompt_keep_the_cascade_on_paged_flex(monkeypatch, rows_in_groups):
+    # 3 beams of one 80-token prompt: the prompt's blocks are read once for all (cascade attention), not once per
+    # row in place (rows sharing their first keys hold as many: one group, which paged_flex leaves as it is)
+    model = tiny_model("llama")
+    batch = ragged_batch([0], 80, seed=6)
+    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=6, num_beams=3,
+                               do_sample=False)
+    set_paged_attention(model, decode="flex")
+    runs = flex_runs(monkeypatch)
+    cascades = count_calls(monkeypatch, block_attention, "_attend_cascade")
+    with PagedCache(model, num_blocks=64) as cache:
+        paged = model.generate(**batch, cache=cache, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(paged, reference)
+    assert cascades and runs == []
+
+
 @needs_compiler
 def test_what_a_blocks_earlier_holder_left_in_it_does_not_leak_into_a_row(rows_in_groups):
     # every slot of the pool but the null block's holds NaN, as the garbage of fresh memory or a failed request's
