@@ -49,7 +49,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from hf_paged_cache import ContinuousBatcher
 from hf_paged_cache.attention import PAGED_ATTENTION_NAMES, block_attention, set_paged_attention
-from hf_paged_cache.attention.block_attention import DECODE_KERNELS
+from hf_paged_cache.attention.paged_sdpa import decode_kernel
 from hf_paged_cache.bench import (
     add_common_args,
     add_workload_args,
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_packed_linears:
         pack_linears(model)  # as the server does by default
     pad_heap()  # as the server does at start-up
-    set_paged_attention(model, decode=DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(args.attention)])
+    set_paged_attention(model, decode=decode_kernel(args.attention))
     token_range = prompt_token_range(model, tokenizer)
     workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
                                  max_output=10**6, token_range=token_range)

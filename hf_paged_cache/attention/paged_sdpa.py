@@ -130,6 +130,12 @@ def paged_flex_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:
     return paged_sdpa_attention(*args, decode="flex", **kwargs)
 
 
+def decode_kernel(name: str) -> str:
+    """How the decode steps of paged attention `name` (one of `PAGED_ATTENTION_NAMES`) attend: its
+    `DECODE_KERNELS` entry, what `set_paged_attention` takes to switch a model to it."""
+    return DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(name)]
+
+
 def set_paged_attention(model: PreTrainedModel, decode: str = "sdpa") -> None:
     """Switch `model` to ``paged_sdpa``, or to the paged attention whose decode steps attend as `decode` says
     (``"products"``: ``paged_bmm``, see `BMM_ATTENTION_NAME`; ``"flex"``: ``paged_flex``, see

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from transformers import PreTrainedModel
 
 from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
-from ..attention.block_attention import DECODE_KERNELS
+from ..attention.paged_sdpa import decode_kernel
 
 VARIANTS = ("dynamic", "paged", "paged_sdpa", "paged_bmm", "paged_flex")
 """``dynamic``: DynamicCache, the model's attention; ``paged``: PagedCache, the same attention; ``paged_sdpa``:
@@ -23,7 +23,7 @@ def variant_attention(model: PreTrainedModel, variant: str) -> Iterator[None]:
     model's own attention otherwise."""
     original = model.config._attn_implementation
     if variant in PAGED_ATTENTION_NAMES:  # the paged variants are named after their attention
-        set_paged_attention(model, decode=DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(variant)])
+        set_paged_attention(model, decode=decode_kernel(variant))
     try:
         yield
     finally:
