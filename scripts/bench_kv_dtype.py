@@ -25,7 +25,6 @@ Command (the numbers in the README)::
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +41,7 @@ from hf_paged_cache.bench import (
     median,
     pad_token_id,
     prompt_token_range,
+    uniform_workload,
     write_json,
 )
 from hf_paged_cache.eval.corpora import load_corpus_text
@@ -163,10 +163,10 @@ def decode_speed(model: PreTrainedModel, batch: dict[str, torch.Tensor], kv_dtyp
 
 def batcher_requests(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                      args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    low, high = prompt_token_range(model, tokenizer)
-    return [([rng.randrange(low, high) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
-             rng.randint(args.min_new, args.max_new)) for _ in range(args.num_requests)]
+    workload = uniform_workload(args.num_requests, seed=args.seed, prompt_lens=(args.min_prompt, args.max_prompt),
+                                output_lens=(args.min_new, args.max_new),
+                                token_range=prompt_token_range(model, tokenizer))
+    return list(zip(workload.prompts(), workload.output_lens, strict=True))
 
 
 def batcher_round(model: PreTrainedModel, requests: list[tuple[list[int], int]], kv_dtype: str,

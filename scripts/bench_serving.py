@@ -1,9 +1,11 @@
 """Serving throughput: static `generate` batches against continuous batching, on one KV budget.
 
-Workload: ``--num-requests`` requests of the seeded ShareGPT-shaped stream (`hf_paged_cache.bench`), prompts
-capped at ``--max-prompt``; request ``i`` generates ``o_i = clamp(round(draw_i x --output-scale), 1,
---max-new)`` tokens (the drawn ShareGPT output length, shrunk to what a CPU run affords; EOS is off so
-lengths are exact). All requests arrive at time 0. Contenders (``--contenders``):
+Workload (``--workload``): ``--num-requests`` requests of the seeded ShareGPT-shaped stream
+(`hf_paged_cache.bench`, ``sharegpt``), prompts capped at ``--max-prompt``, request ``i`` generating ``o_i =
+clamp(round(draw_i x --output-scale), 1, --max-new)`` tokens (the drawn ShareGPT output length, shrunk to what a
+CPU run affords); or (``uniform``) prompts of ``--min-prompt`` to ``--max-prompt`` tokens and ``o_i`` from
+``--min-new`` to ``--max-new``, uniformly (``--output-scale`` unused). EOS is off, so lengths are exact. All
+requests arrive at time 0. Contenders (``--contenders``):
 
 - ``dynamic``: ``model.generate`` over static batches of ``--batch-size`` requests in order, left-padded,
   ``DynamicCache``; a batch runs ``max(o_i)`` steps (rows cannot stop early), then the next starts;
@@ -27,9 +29,11 @@ first ``--batch-size`` requests: output tokens/s = ``sum(o_i) / wall seconds`` (
 to first token (TTFT) from time 0, p50 and p95 over requests. Every contender's tokens are checked against
 greedy ``generate`` with ``DynamicCache`` on each request alone (``tokens identical``).
 
-Command (the numbers and chart in the README)::
+Commands (the numbers and chart in the README; the second: 16 requests at once against one ``generate`` batch)::
 
     python scripts/bench_serving.py --threads 2 --out results/bench_serving.json
+    python scripts/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \
+        --max-prompt 250 --min-new 32 --max-new 93 --contenders dynamic,batcher --out results/bench_serving_16.json
 """
 
 from __future__ import annotations
@@ -62,16 +66,22 @@ from hf_paged_cache.bench import (
     percentile,
     prompt_token_range,
     sharegpt_workload,
+    uniform_workload,
     write_json,
 )
 
 CONTENDERS = ("dynamic", "paged", "generate_batch", "batcher", "batcher_unpacked")
+WORKLOADS = ("sharegpt", "uniform")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, out="results/bench_serving.json")
     add_workload_args(parser, num_requests=64)
+    parser.add_argument("--workload", choices=WORKLOADS, default=WORKLOADS[0],
+                        help=f"request lengths: ShareGPT-shaped, or uniform in ranges (default: {WORKLOADS[0]})")
+    parser.add_argument("--min-prompt", type=int, default=50, help="uniform: shortest prompt (default: 50)")
+    parser.add_argument("--min-new", type=int, default=32, help="uniform: fewest new tokens (default: 32)")
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size (default: 16)")
     parser.add_argument("--budget", default=None, help="KV budget, e.g. 512MiB (default: one static batch's need)")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
@@ -183,10 +193,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
         raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
-    workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
-                                 max_output=10**6, token_range=prompt_token_range(model, tokenizer))
+    token_range = prompt_token_range(model, tokenizer)
+    if args.workload == "uniform":
+        workload = uniform_workload(args.num_requests, seed=args.seed, prompt_lens=(args.min_prompt, args.max_prompt),
+                                    output_lens=(args.min_new, args.max_new), token_range=token_range)
+        outputs = workload.output_lens
+    else:
+        workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
+                                     max_output=10**6, token_range=token_range)
+        outputs = workload.scaled_output_lens(args.output_scale, args.max_new)
     prompts = workload.prompts()
-    outputs = workload.scaled_output_lens(args.output_scale, args.max_new)
     per_token = kv_bytes_per_token(model.config, model.dtype)
     row_blocks = -(-(args.max_prompt + args.max_new) // args.block_size)  # a row's blocks at most
     budget = parse_memory(args.budget) if args.budget else (args.batch_size * row_blocks + 1) * args.block_size * per_token
@@ -220,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     useful = sum(outputs)
     results: dict[str, Any] = {
         "benchmark": "serving", "model": args.model, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
-        "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": useful,
+        "workload": args.workload, "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": useful, "prompt_lens": [len(p) for p in prompts], "output_lens": outputs,
         "budget_bytes": budget, "batch_size": args.batch_size, "contenders": {},
     }
     for name, rounds in runs.items():

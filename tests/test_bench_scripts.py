@@ -31,6 +31,7 @@ from hf_paged_cache.bench import (
     sharegpt_workload,
     static_cache_reserved_bytes,
     stored_tokens,
+    uniform_workload,
 )
 from hf_paged_cache.bench.narrow import NARROW_HEAD_DIM
 from hf_paged_cache.kernels.packed_linear import packed_linears_supported
@@ -127,6 +128,18 @@ def test_workload_is_seeded_capped_and_prefix_stable() -> None:
     summary = long.summary()
     assert summary["distribution"]["input"]["mean"] == pytest.approx(161.31)
     assert summary["distribution"]["output"]["mean"] == pytest.approx(337.99)
+
+
+def test_uniform_workload_draws_within_its_ranges_and_is_seeded() -> None:
+    workload = uniform_workload(200, seed=1, prompt_lens=(5, 9), output_lens=(2, 4), token_range=(3, 96))
+    assert workload == uniform_workload(200, seed=1, prompt_lens=(5, 9), output_lens=(2, 4), token_range=(3, 96))
+    assert workload != uniform_workload(200, seed=2, prompt_lens=(5, 9), output_lens=(2, 4), token_range=(3, 96))
+    assert set(workload.prompt_lens) == set(range(5, 10)) and set(workload.output_lens) == {2, 3, 4}  # both ends
+    assert all(3 <= t < 96 for r in workload.requests for t in r.prompt_ids)
+    assert workload.head(7).requests == workload.requests[:7]
+    assert workload.summary()["distribution"]["input"] == {"uniform": [5, 9]}
+    with pytest.raises(ValueError, match="length ranges"):
+        uniform_workload(1, prompt_lens=(9, 5), output_lens=(2, 4), token_range=(3, 96))
 
 
 def test_in_fresh_thread_returns_and_raises_on_the_caller() -> None:
@@ -528,6 +541,18 @@ def serving_result(tiny_dir: str, results_dir: Path) -> dict[str, Any]:
     args = ["--model", tiny_dir, "--num-requests", "6", "--max-prompt", "24", "--max-new", "6", "--output-scale",
             "0.05", "--batch-size", "3", "--repeats", "1", "--block-size", "4"]
     return run_script("bench_serving", args, results_dir / "bench_serving.json")
+
+
+def test_bench_serving_uniform_workload(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--workload", "uniform", "--num-requests", "4", "--min-prompt", "5", "--max-prompt",
+            "12", "--min-new", "2", "--max-new", "5", "--batch-size", "4", "--repeats", "1", "--block-size", "4",
+            "--contenders", "dynamic,batcher"]
+    results = run_script("bench_serving", args, results_dir / "bench_serving_uniform.json")
+    assert results["workload"] == "uniform" and set(results["contenders"]) == {"dynamic", "batcher"}
+    assert all(5 <= n <= 12 for n in results["prompt_lens"]) and all(2 <= n <= 5 for n in results["output_lens"])
+    assert results["output_tokens"] == sum(results["output_lens"])
+    for name, r in results["contenders"].items():
+        assert r["tokens_identical"], name
 
 
 def test_bench_serving(serving_result: dict[str, Any], tiny_dir: str) -> None:

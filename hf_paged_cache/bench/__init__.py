@@ -1,6 +1,6 @@
 """Helpers for the benchmark scripts (``scripts/bench_*.py``) and the demo: not part of the library's API.
 
-- `workload`: the seeded ShareGPT-shaped request stream;
+- `workload`: the seeded ShareGPT-shaped request stream, or one of uniform lengths;
 - `kv_bytes`: KV byte accounting for dense and paged caches;
 - `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
 - `variants`: the caches the scripts compare and the attention each runs with;
@@ -55,6 +55,7 @@ from .workload import (
     left_pad,
     prompt_token_range,
     sharegpt_workload,
+    uniform_workload,
 )
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "static_cache_reserved_bytes",
     "stored_tokens",
     "synchronize",
+    "uniform_workload",
     "used_bytes",
     "variant_attention",
     "write_json",

@@ -1,4 +1,4 @@
-"""The benchmark workload: a seeded stream of ragged requests shaped like ShareGPT.
+"""The benchmark workloads: a seeded stream of ragged requests shaped like ShareGPT, or of uniform lengths.
 
 `sharegpt_workload` draws a seeded stream of ragged requests whose prompt and output lengths follow
 log-normal distributions matched to the ShareGPT statistics published in the vLLM paper (Kwon et al.,
@@ -23,15 +23,19 @@ tokens)``, outputs at ``max_output``. Capping shortens the tail and lowers the m
 reports the realised statistics, which is what the JSON files record. Prompts are random token ids (no
 special tokens), drawn per request from their own seeded generator: the first ``k`` requests of a stream
 do not depend on how many are drawn, so a 16-request workload is the head of a 500-request one.
+
+`uniform_workload` draws prompt and output lengths uniformly from given ranges instead (a batch of requests
+of one kind, e.g. 50-250 prompt tokens and 32-93 new ones).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -71,6 +75,11 @@ class LogNormalLengths:
 
 SHAREGPT_INPUT = LogNormalLengths(SHAREGPT_INPUT_MEAN, INPUT_SIGMA)
 SHAREGPT_OUTPUT = LogNormalLengths(SHAREGPT_OUTPUT_MEAN, OUTPUT_SIGMA)
+SHAREGPT_DISTRIBUTION = {
+    "input": {"mean": SHAREGPT_INPUT.mean, "sigma": SHAREGPT_INPUT.sigma, "mu": SHAREGPT_INPUT.mu},
+    "output": {"mean": SHAREGPT_OUTPUT.mean, "sigma": SHAREGPT_OUTPUT.sigma, "mu": SHAREGPT_OUTPUT.mu},
+    "source": SOURCE,
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ class Workload:
     seed: int
     max_prompt: int
     max_output: int
+    distribution: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(SHAREGPT_DISTRIBUTION))  # how drawn
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -101,7 +111,7 @@ class Workload:
         """The first `n` requests (the same requests a smaller draw with the same seed gives)."""
         if n > len(self.requests):
             raise ValueError(f"asked for {n} requests but the workload holds {len(self.requests)}")
-        return Workload(self.requests[:n], self.seed, self.max_prompt, self.max_output)
+        return replace(self, requests=self.requests[:n])
 
     @property
     def prompt_lens(self) -> list[int]:
@@ -139,11 +149,7 @@ class Workload:
             "output_lens": self.output_lens,
             "prompt_stats": stats(self.prompt_lens),
             "output_stats": stats(self.output_lens),
-            "distribution": {
-                "input": {"mean": SHAREGPT_INPUT.mean, "sigma": SHAREGPT_INPUT.sigma, "mu": SHAREGPT_INPUT.mu},
-                "output": {"mean": SHAREGPT_OUTPUT.mean, "sigma": SHAREGPT_OUTPUT.sigma, "mu": SHAREGPT_OUTPUT.mu},
-                "source": SOURCE,
-            },
+            "distribution": self.distribution,
         }
 
 
@@ -190,6 +196,36 @@ def fixed_length_workload(
         tokens = random.Random(f"{seed}/{i}")
         requests.append(Request(tuple(tokens.randrange(low, high) for _ in range(prompt_len)), output_len))
     return Workload(tuple(requests), seed, max(prompt_lens), output_len)
+
+
+def uniform_workload(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    prompt_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+    token_range: tuple[int, int],
+) -> Workload:
+    """Draw `num_requests` requests whose prompt and output lengths are uniform integers in the inclusive ranges
+    `prompt_lens` and `output_lens` (random prompt tokens from ``[low, high)`` = `token_range`).
+
+    One generator seeded with `seed` draws, request after request, the prompt's length, its tokens and the
+    output's length.
+    """
+    low, high = token_range
+    if not 0 <= low < high:
+        raise ValueError(f"token_range must be [low, high) with 0 <= low < high, got {token_range}")
+    if not 1 <= prompt_lens[0] <= prompt_lens[1] or not 1 <= output_lens[0] <= output_lens[1]:
+        raise ValueError(f"length ranges must be (low, high) with 1 <= low <= high, got {prompt_lens} and "
+                         f"{output_lens}")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt = tuple(rng.randrange(low, high) for _ in range(rng.randint(*prompt_lens)))
+        requests.append(Request(prompt, rng.randint(*output_lens)))
+    distribution = {"input": {"uniform": list(prompt_lens)}, "output": {"uniform": list(output_lens)},
+                    "source": "uniform integer lengths in the inclusive ranges"}
+    return Workload(tuple(requests), seed, prompt_lens[1], output_lens[1], distribution)
 
 
 def prompt_token_range(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
