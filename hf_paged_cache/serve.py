@@ -209,10 +209,10 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
 
 def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
     """Compile ``paged_flex``'s kernel for each attention shape of the model before the first request."""
-    from .attention.flex_decode import FLEX_DTYPES, warm_up
+    from .attention.flex_decode import kernel_takes, warm_up
 
     model, pool = batcher.model, batcher.pool
-    if pool.dtype not in FLEX_DTYPES or model.device.type != "cpu":
+    if not kernel_takes(pool.dtype, model.device):
         logger.warning("paged_flex reads blocks in place in float32 on a CPU only: %s decode steps on %s gather as "
                        "paged_sdpa's", pool.dtype, model.device)
         return

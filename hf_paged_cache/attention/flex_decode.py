@@ -49,6 +49,11 @@ MIN_LIMIT_ROWS = 64
 to 64 rows, and once more for each power of two beyond."""
 
 
+def kernel_takes(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the compiled kernel reads storage of `dtype` on `device`: `FLEX_DTYPES` on a CPU."""
+    return dtype in FLEX_DTYPES and torch.device(device).type == "cpu"
+
+
 class BlockRows(Protocol):
     """A step's rows as block tables (`hf_paged_cache.cache.block_table.RowsView` is one)."""
 
@@ -188,7 +193,7 @@ def warm_up(heads: int, groups: int, key_dim: int, value_dim: int, dtype: torch.
     as its first decode step would; whether it compiled (False, compiling nothing, for a dtype or device the
     kernel does not take: those steps gather).
     """
-    if dtype not in FLEX_DTYPES or torch.device(device).type != "cpu":
+    if not kernel_takes(dtype, device):
         return False
     rows = _WarmUpRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=16)
     keys = torch.zeros(heads, 4 * 16, key_dim, dtype=dtype, device=device)  # [H, slots, D]: 4 blocks
@@ -210,8 +215,7 @@ def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bo
     compile failure."""
     return (
         storage is not None
-        and query.device.type == "cpu"
-        and query.dtype in FLEX_DTYPES
+        and kernel_takes(query.dtype, query.device)
         and storage.dtype == query.dtype
         and FLEX_KERNEL.available
     )
