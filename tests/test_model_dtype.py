@@ -32,6 +32,8 @@ from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache.kernels import cpu_capability
+from hf_paged_cache.kernels.cpu_capability import CAPABILITY_ENV
 from hf_paged_cache.models import add_model_arguments, fast_dtype, resolve_dtype
 from hf_paged_cache.serve import build_parser
 
@@ -145,10 +147,15 @@ def within_bounds(ours: Fidelity, dynamic: Fidelity) -> bool:
     (True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32),
 ])
 def test_auto_is_bfloat16_on_a_cpu_that_multiplies_it_natively(monkeypatch, amx, avx512_bf16, expected):
+    monkeypatch.delenv(CAPABILITY_ENV, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    assert fast_dtype("cpu") is expected
-    assert resolve_dtype("auto", "cpu") is expected
+    cpu_capability.cache_clear()  # asked again, of the CPU patched above
+    try:
+        assert fast_dtype("cpu") is expected
+        assert resolve_dtype("auto", "cpu") is expected
+    finally:
+        cpu_capability.cache_clear()
 
 
 def test_named_dtypes_resolve_as_named_and_others_are_refused():

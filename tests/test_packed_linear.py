@@ -10,12 +10,18 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.kernels import PackedLinear, pack_linears, packed_linears_supported
+from hf_paged_cache.kernels import PackedLinear, pack_linears, packed_linears_supported, packing_probe
 
 pytestmark = pytest.mark.skipif(not packed_linears_supported(), reason="this PyTorch build has no oneDNN")
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def _packed(dtype: torch.dtype, tolerance: float):
+    """A dtype case that runs where oneDNN multiplies `dtype` on this CPU, and else skips with the probe's reason."""
+    probe = packing_probe(dtype)
+    return pytest.param(dtype, tolerance, marks=pytest.mark.skipif(not probe.supported, reason=probe.reason))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [_packed(torch.float32, 1e-5), _packed(torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48), (3, 0, 48)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_inference_output_matches_linear(dtype, tolerance, shape, bias):

@@ -15,7 +15,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..kernels import mkl_takes_fast_path
+from ..kernels import cpu_capability, mkl_takes_fast_path
+from ..kernels.cpu_capability import cpu_model_name
 from ..models import add_model_arguments, load_model_and_tokenizer
 
 
@@ -56,18 +57,10 @@ def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:
-    """CPU model, cores, library versions, whether MKL runs its own kernels here (`mkl_takes_fast_path`), device
+    """CPU model and capability level (`cpu_capability`), cores, library versions, whether MKL runs its own kernels here (`mkl_takes_fast_path`), device
     name, date: what a reader needs to weigh the numbers."""
     device = torch.device(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     info: dict[str, Any] = {
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
@@ -76,6 +69,7 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "cpu_capability": cpu_capability().describe(),
         "mkl_fast_path": mkl_takes_fast_path(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,

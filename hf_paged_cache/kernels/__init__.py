@@ -1,6 +1,17 @@
-"""Faster kernels for the model around the cache: opt-in transformations of a loaded model."""
+"""Faster kernels for the model around the cache: opt-in transformations of a loaded model, and the probes that
+say which of them this CPU runs."""
 
+from .cpu_capability import CpuCapability, cpu_capability
 from .mkl_dispatch import mkl_takes_fast_path
-from .packed_linear import PackedLinear, pack_linears, packed_linears_supported
+from .packed_linear import PackedLinear, Probe, pack_linears, packed_linears_supported, packing_probe
 
-__all__ = ["PackedLinear", "mkl_takes_fast_path", "pack_linears", "packed_linears_supported"]
+__all__ = [
+    "CpuCapability",
+    "PackedLinear",
+    "Probe",
+    "cpu_capability",
+    "mkl_takes_fast_path",
+    "pack_linears",
+    "packed_linears_supported",
+    "packing_probe",
+]

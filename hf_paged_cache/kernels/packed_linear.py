@@ -11,13 +11,27 @@ The results are the same products summed in another order: float32 rounding apar
 about 1e-6), so greedy tokens agree with the stock model except at exact near-ties of the two top logits.
 The packed copies double the memory of the linear weights. Nothing changes for training or autograd, for
 other devices, or for dtypes oneDNN does not take here (only float32 and bfloat16 are packed).
+
+Whether oneDNN takes a dtype on this CPU is asked, not assumed (`packing_probe`): PyTorch's bfloat16 path needs
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and on an AVX2-only CPU it raises at the first product. `pack_linears`
+leaves the layers of a dtype the probe refuses on the stock kernels, with one log line naming the reason, and
+`PackedLinear` itself takes the stock path for such a dtype (a model cast after packing).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections import Counter
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .cpu_capability import BFLOAT16_PACKING_LEVEL, cpu_capability
+
+logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 16
@@ -30,6 +44,42 @@ def packed_linears_supported() -> bool:
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class Probe(NamedTuple):
+    """A probe's answer: whether the path runs here and, when it does not, why."""
+
+    supported: bool
+    reason: str  # "" when supported
+
+
+@functools.cache
+def packing_probe(dtype: torch.dtype) -> Probe:
+    """Whether `PackedLinear` can multiply `dtype` through oneDNN on this CPU (cached per dtype).
+
+    Asked by running one packed product on a tiny tensor and comparing it with ``F.linear``'s: a build or CPU
+    that cannot run it answers no with the operator's own error. ``HF_PAGED_CACHE_CPU_CAPABILITY`` below
+    ``avx512`` refuses bfloat16 as an AVX2-only CPU does (`cpu_capability`).
+    """
+    if dtype not in PACKED_DTYPES:
+        return Probe(False, f"only {' and '.join(map(str, PACKED_DTYPES))} are packed, not {dtype}")
+    if not packed_linears_supported():
+        return Probe(False, "this PyTorch build has no oneDNN (mkldnn) linear operators")
+    capability = cpu_capability()
+    if dtype == torch.bfloat16 and capability.capped_by and not capability.at_least(BFLOAT16_PACKING_LEVEL):
+        return Probe(False, f"oneDNN's bfloat16 products need AVX-512 (BW, VL, DQ); CPU: {capability.describe()}")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=generator).to(dtype)  # [rows, in]
+    weight = torch.randn(8, 32, generator=generator).to(dtype)  # [out, in]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # [rows, out]
+    except RuntimeError as error:
+        return Probe(False, f"oneDNN refused a {dtype} product here: {str(error).splitlines()[0]}")
+    expected = F.linear(x, weight)
+    if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=2e-2, atol=2e-2):
+        return Probe(False, f"oneDNN's {dtype} product differs from F.linear's here")
+    return Probe(True, "")
 
 
 class PackedLinear(nn.Linear):
@@ -51,7 +101,8 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if wants_grad or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype:
+        if (wants_grad or weight.device.type != "cpu" or x.dtype != weight.dtype
+                or not packing_probe(weight.dtype).supported):
             return F.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
 
@@ -67,18 +118,31 @@ class PackedLinear(nn.Linear):
         return f"{super().extra_repr()}, packed for oneDNN"
 
 
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, *, strict: bool = False) -> int:
     """Make every plain `nn.Linear` of `model` a `PackedLinear`, in place; returns how many it changed.
 
     Idempotent (a `PackedLinear` is left as it is). Subclasses of `nn.Linear` (quantized or parallel
-    layers) keep their own forward. Raises `NotImplementedError` on a PyTorch build without oneDNN.
+    layers) keep their own forward. Layers whose weight's dtype `packing_probe` refuses on this CPU stay
+    stock, with one log line per dtype naming the reason; with ``strict=True`` that is an error instead.
+
+    Raises:
+        NotImplementedError: on a PyTorch build without oneDNN; with ``strict=True``, for a layer on the CPU
+            whose dtype cannot be packed here.
     """
     if not packed_linears_supported():
         raise NotImplementedError("this PyTorch build has no oneDNN (mkldnn) linear operators to pack weights for")
+    linears = [(parent, name, child) for parent in list(model.modules())
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    refused = Counter(child.weight.dtype for _, _, child in linears
+                      if child.weight.device.type == "cpu" and not packing_probe(child.weight.dtype).supported)
+    for dtype, count in refused.items():
+        reason = packing_probe(dtype).reason
+        if strict:  # before any layer changed
+            raise NotImplementedError(f"cannot pack {count} {dtype} linear layers: {reason}")
+        logger.warning("left %d %s linear layers on PyTorch's stock kernels: %s", count, dtype, reason)
     changed = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, batch_hint))
-                changed += 1
+    for parent, name, child in linears:
+        if child.weight.dtype not in refused or child.weight.device.type != "cpu":
+            setattr(parent, name, PackedLinear(child, batch_hint))
+            changed += 1
     return changed

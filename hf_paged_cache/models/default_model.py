@@ -55,6 +55,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..kernels.cpu_capability import NATIVE_BFLOAT16_LEVEL, cpu_capability
 from .gemma3 import GEMMA3_ALIAS, ensure_offline_gemma3_270m
 from .offline import (
     build_cached_folder,
@@ -238,14 +239,14 @@ def fast_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """bfloat16 where `device` multiplies it natively, else float32.
 
     Natively: a CUDA GPU that supports bfloat16, or a CPU with AMX or AVX512-BF16 instructions, which oneDNN's
-    bfloat16 kernels use (elsewhere bfloat16 products are emulated with float32 arithmetic). In
-    bfloat16 a paged cache is as close to the float32 model as `DynamicCache` in bfloat16 is
-    (`tests/test_model_dtype.py`), not token-identical to it.
+    bfloat16 kernels use (`cpu_capability`, which ``HF_PAGED_CACHE_CPU_CAPABILITY`` caps). Elsewhere bfloat16
+    products are emulated with float32 arithmetic, and float32 is chosen. In bfloat16 a paged cache is as close
+    to the float32 model as `DynamicCache` in bfloat16 is (`tests/test_model_dtype.py`), not token-identical to it.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+    if device.type == "cpu" and cpu_capability().at_least(NATIVE_BFLOAT16_LEVEL):
         return torch.bfloat16
     return torch.float32
 
