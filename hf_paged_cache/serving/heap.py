@@ -53,6 +53,11 @@ def pad_heap(pad_bytes: int = DEFAULT_HEAP_PAD) -> bool:
     return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
+def glibc_malloc() -> bool:
+    """Whether this process's C library is glibc, so that `pad_heap` can apply."""
+    return _glibc_mallopt() is not None
+
+
 def _glibc_mallopt():
     """glibc's ``int mallopt(int, int)``, or None when the process does not run on glibc."""
     try:
