@@ -204,7 +204,26 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     _log_pool(batcher)
     if options.flex_decode:
         _compile_flex_decode(batcher)
+    _answer_one_request(batcher, options)
     return batcher, tokenizer
+
+
+def _answer_one_request(batcher: ContinuousBatcher, options: argparse.Namespace) -> None:
+    """Run one request (a prompt of one token, two new tokens: a prefill and a decode step) through `batcher`
+    before the server says it is ready, so that a configuration this machine cannot run (a dtype its CPU's
+    kernels refuse, say) stops the server at start-up with its error instead of failing every request.
+
+    Raises:
+        RuntimeError: naming the model, dtype and device, from the request's own error (closing `batcher`).
+    """
+    start = time.perf_counter()
+    try:
+        batcher.generate([[0]], max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    except Exception as error:
+        batcher.close()
+        raise RuntimeError(f"{options.model} cannot answer a request as configured (--dtype {options.dtype}, "
+                           f"--device {options.device}): {type(error).__name__}: {error}") from error
+    logger.info("answered a first request of one token in %.2f s", time.perf_counter() - start)
 
 
 def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
