@@ -189,7 +189,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         logger.info("packed %d linear layers for oneDNN", pack_linears(model))
     if torch.device(options.device).type == "cpu" and mkl_takes_fast_path() is False:
         logger.warning("MKL skips its fast kernels on this CPU (not an Intel one): SDPA's CPU kernels run up to "
-                       "3x slower; see the README's \"MKL on AMD CPUs\" for PyTorch's workaround")
+                       "3x slower; see docs/serving.md, \"MKL on AMD CPUs\", for PyTorch's workaround")
     if options.bmm_decode:
         set_paged_attention(model, decode="products")
         logger.info("decode steps attend by batched products (%s)", model.config._attn_implementation)

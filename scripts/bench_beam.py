@@ -19,7 +19,7 @@ from the per-step timestamps as in ``bench_decode.py``, and tokens per process-C
 shared CPU, see `hf_paged_cache.bench.timing.Timer`); each paged / dynamic ratio is taken between adjacent runs and its
 median over repeats reported (target: PagedCache faster, ratio > 1).
 
-Command (the CPU run reported in the README; defaults are issue #3's 512-token prompt and 128 tokens)::
+Command (the CPU run reported in docs/benchmarks.md; defaults are issue #3's 512-token prompt and 128 tokens)::
 
     python scripts/bench_beam.py --threads 1 --out results/bench_beam.json
 """

@@ -33,7 +33,7 @@ high-water polled from the main thread, approximate since the engine runs in ano
 tokens equal DynamicCache's is recorded (float rounding differs between padded and unpadded batches, so
 a few may diverge).
 
-Command (the CPU run reported in the README)::
+Command (the CPU run reported in docs/benchmarks.md)::
 
     python scripts/bench_cb.py --threads 1 --num-requests 16 --max-prompt 256 --new-tokens 32 \
         --outputs fixed --out results/bench_cb_fixed.json

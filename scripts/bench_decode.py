@@ -37,7 +37,7 @@ Paged the pool's allocated bytes (sized to an upper bound of what the scenario n
 ``--prompt-lens`` pins the greedy batch to exact prompt lengths instead (e.g. 8 rows of 60 to 1,000
 tokens), so that a batch's raggedness is chosen, not drawn.
 
-Commands (the CPU runs reported in the README; on a GPU drop the size flags to get the defaults: batch
+Commands (the CPU runs reported in docs/benchmarks.md; on a GPU drop the size flags to get the defaults: batch
 sizes 1,8,32, prompts up to 1024, 128 new tokens)::
 
     python scripts/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \

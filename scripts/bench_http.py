@@ -34,7 +34,7 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
   to vLLM's CPU block of 128 tokens).
 - ``ours-preloaded`` and ``vllm-preloaded`` (not in the default list): ``ours`` and ``vllm`` started with
   ``LD_PRELOAD=--preload``, a library whose ``mkl_serv_intel_cpu_true`` returns 1, so that MKL runs its own
-  kernels on a CPU that is not Intel's (the README's "MKL on AMD CPUs"; `hf_paged_cache.kernels.mkl_dispatch`).
+  kernels on a CPU that is not Intel's (docs/serving.md, "MKL on AMD CPUs"; `hf_paged_cache.kernels.mkl_dispatch`).
 
 ``--dtype`` (float32 or bfloat16) is the model's and the KV cache's dtype in every contender.
 

@@ -12,7 +12,7 @@ warm-up call of each; medians and ranges are reported, and the per-pair ratio ``
 over pairs). The logits of both copies on the same decode step are compared: their largest absolute
 difference and whether every row's greedy token agrees.
 
-Command (the README's numbers)::
+Command (the numbers in docs/benchmarks.md)::
 
     python scripts/bench_kernels.py --threads 2 --batch-sizes 1,4,16 --out results/bench_kernels.json
 """

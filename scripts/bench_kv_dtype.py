@@ -17,7 +17,7 @@ reference):
    new tokens, EOS off); the most requests decoding at once (between their first token and their end, from
    the handles' times) and output tokens/s, rounds alternated.
 
-Command (the numbers in the README)::
+Command (the numbers in docs/benchmarks.md)::
 
     python scripts/bench_kv_dtype.py --threads 1,2 --out results/bench_kv_dtype.json
 """

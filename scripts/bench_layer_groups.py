@@ -19,7 +19,7 @@ Scenarios (``--scenarios``): ``one_prompt`` (one ``--long``-token prompt, ``--ne
 (``num_return_sequences=8`` sampled from one ``--samples-prompt``-token prompt; "one copy" is the KV that a
 single row of the same tokens holds in PagedCache).
 
-Command (the numbers in the README; Gemma-3-270m is fetched and converted on first use)::
+Command (the numbers in docs/benchmarks.md; Gemma-3-270m is fetched and converted on first use)::
 
     python scripts/bench_layer_groups.py --model gemma-3-270m --threads 2 --out results/bench_layer_groups.json
 """

@@ -36,7 +36,7 @@ and must finish without ``PoolExhaustedError``, holding exactly the predicted bl
 tokens at ``--budget-new-tokens`` so it stays affordable on a CPU; the same cap is used for every cache's
 count, so the comparison stays like for like.
 
-Command (the CPU run reported in the README; ``--device cuda`` works the same)::
+Command (the CPU run reported in docs/benchmarks.md; ``--device cuda`` works the same)::
 
     python scripts/bench_memory.py --threads 1 --max-prompt 512 --new-tokens 32 --static-context allocate \
         --out results/bench_memory.json

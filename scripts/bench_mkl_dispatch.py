@@ -3,7 +3,7 @@
 MKL chooses its kernels by the CPU's vendor (`hf_paged_cache.kernels.mkl_dispatch`). This script times the
 calls of a serving step that PyTorch sends to MKL in child processes of two kinds, alternated round by round:
 ``stock`` (MKL as it loads) and ``preloaded`` (``LD_PRELOAD`` = ``--preload``, a library whose
-``mkl_serv_intel_cpu_true`` returns 1; the README's "MKL on AMD CPUs" builds one). Each child pads its heap as
+``mkl_serv_intel_cpu_true`` returns 1; docs/serving.md, "MKL on AMD CPUs", builds one). Each child pads its heap as
 the server does, warms every call up, times it ``--calls`` times and reports the medians and what
 `mkl_takes_fast_path` says in it. The calls (SmolLM2-135M: 9 query heads sharing 3 key/value heads of 64):
 
@@ -14,7 +14,7 @@ the server does, warms every call up, times it ``--calls`` times and reports the
 
 Reported per call: both kinds' medians over the rounds and the median of the per-round ratios.
 
-Command (the README's numbers)::
+Command (the numbers in docs/benchmarks.md)::
 
     python scripts/bench_mkl_dispatch.py --preload "$PWD/libmkl_any_cpu.so" --out results/bench_mkl_dispatch.json
 """

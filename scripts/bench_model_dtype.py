@@ -11,7 +11,7 @@ rounds), each round's ratio to the first dtype (the reference) and their median,
 requests whose tokens are all the same and the mean position of the first different token among the others
 (reduced precision follows its own rounding at near-ties; see `tests/test_model_dtype.py` for the logits).
 
-Commands (the README's numbers)::
+Commands (the numbers in docs/benchmarks.md)::
 
     python scripts/bench_model_dtype.py --threads 1 --out results/bench_model_dtype_1t.json
     python scripts/bench_model_dtype.py --threads 2 --out results/bench_model_dtype_2t.json

@@ -18,7 +18,7 @@ variants alternated, after one untimed call each (the one checked against the re
 are reported, the speed as GFLOP/s of the causal half (``2 x 2 x heads x L^2 x head_dim / 2``), the median of
 the per-repeat ratios against ``sdpa``, and the largest absolute difference from a float64 reference.
 
-Command (the README's numbers)::
+Command (the numbers in docs/benchmarks.md)::
 
     python scripts/bench_prompt_attention.py --threads 2 --out results/bench_prompt_attention.json
 """

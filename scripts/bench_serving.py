@@ -29,7 +29,7 @@ first ``--batch-size`` requests: output tokens/s = ``sum(o_i) / wall seconds`` (
 to first token (TTFT) from time 0, p50 and p95 over requests. Every contender's tokens are checked against
 greedy ``generate`` with ``DynamicCache`` on each request alone (``tokens identical``).
 
-Commands (the numbers and chart in the README; the second: 16 requests at once against one ``generate`` batch)::
+Commands (the numbers and chart in docs/benchmarks.md; the second: 16 requests at once against one ``generate`` batch)::
 
     python scripts/bench_serving.py --threads 2 --out results/bench_serving.json
     python scripts/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \

@@ -22,7 +22,7 @@ tokens so far. Variants: ``dynamic``, ``paged``, ``paged_sdpa``, ``paged_bmm``, 
 the same layers, heads, vocabulary and caches, random weights): its products cost next to nothing, so each
 variant's step time is what a step costs it beyond the math (Python, the cache's bookkeeping, op dispatch).
 
-Commands (the CPU runs reported in the README)::
+Commands (the CPU runs reported in docs/benchmarks.md)::
 
     python scripts/bench_steps.py --threads 1 --prompt-lens 512 --pad-heap --out results/bench_steps_b1_t1.json
     python scripts/bench_steps.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --pad-heap \

@@ -23,7 +23,7 @@ The timers are installed only around the timed steps (`unittest.mock.patch`) and
 and ``linear`` (about 210 linear calls a step). Medians over the steps, with the quartiles; each part's share is
 of the mean step.
 
-Commands (the README's numbers)::
+Commands (the numbers in docs/benchmarks.md)::
 
     python scripts/profile_steps.py --threads 2 --out results/profile_decode_float32_t2.json
     python scripts/profile_steps.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json

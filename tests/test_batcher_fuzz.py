@@ -21,7 +21,7 @@ failed with its own fault; a cancelled one streamed a prefix of its reference; t
 
 Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
 a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
-architecture instead of 3 (the README gives a longer run); with ``-s`` each case prints its steps, requests
+architecture instead of 3 (docs/batching.md gives a longer run); with ``-s`` each case prints its steps, requests
 and faults.
 """
 

@@ -44,7 +44,7 @@ def test_the_check_follows_the_cpu_vendor():
 
 
 def build_override(folder: Path) -> Path:
-    """The README's library whose MKL vendor check always passes, built in `folder` (skips without a C compiler)."""
+    """The library of docs/serving.md ("MKL on AMD CPUs") whose MKL vendor check always passes, built in `folder` (skips without a C compiler)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the override with")

@@ -2,7 +2,7 @@
 
 The browser test drives Debian's Chromium (``/usr/bin/chromium``, or ``$CHROMIUM``) through Playwright; it is
 skipped, saying why, where either cannot be found. By default the app runs on a tiny random model (fast) and
-the screenshot goes to pytest's tmp folder only. To remake the README's screenshot with the real default
+the screenshot goes to pytest's tmp folder only. To remake the screenshot of docs/getting-started.md with the real default
 model (SmolLM2-135M-Instruct), run
 
     HF_PAGED_CACHE_SPACE_REAL_MODEL=1 OMP_NUM_THREADS=1 python -m pytest tests/test_space.py -k browser

@@ -10,7 +10,7 @@ in 4.4 against 2.0 ms, SDPA's causal attention of a 484-token prompt (SmolLM2-13
 on either vendor.)
 
 PyTorch's maintainers give the workaround for AMD CPUs: preload a library whose ``mkl_serv_intel_cpu_true``
-returns 1 (the README's "MKL on AMD CPUs" builds one and serves with it). This module only reports which way
+returns 1 (docs/serving.md, "MKL on AMD CPUs", builds one and serves with it). This module only reports which way
 MKL will go; it changes nothing.
 """
 
