@@ -1,7 +1,14 @@
+import os
+import tempfile
 import warnings
 
 import pytest
 import torch
+
+# inductor's on-disk cache (paged_flex's compiled kernel) kept apart per vector ISA: PyTorch 2.13 reuses a kernel
+# compiled under one ATEN_CPU_CAPABILITY under another, and it then computes wrong (docs/cpu-support.md)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"hf_paged_cache-inductor-{torch.backends.cpu.get_cpu_capability().lower()}"))
 
 # transformers 5.x warns on every `past_key_values=`; the tests use that spelling on purpose.
 warnings.filterwarnings("ignore", message=".*past_key_values.*is deprecated", category=FutureWarning)

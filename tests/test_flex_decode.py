@@ -194,6 +194,27 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_gather_once_and_for_al
 
 
 @needs_compiler
+def test_a_kernel_that_computes_wrong_is_never_used(monkeypatch, rows_in_groups, caplog):
+    """A kernel that compiles but answers wrong (as inductor's can, reusing code compiled for another vector ISA)
+    fails its check against SDPA before any step uses it: the steps gather, and the tokens stay exact."""
+    compiled = torch.compile(flex_decode.flex_attention, dynamic=True)
+    monkeypatch.setattr(FLEX_KERNEL, "_compiled", lambda *args, **kwargs: compiled(*args, **kwargs) * 1.01)
+    monkeypatch.setattr(FLEX_KERNEL, "_failed", False)
+    monkeypatch.setattr(FLEX_KERNEL, "_checked", set())
+    model = tiny_model("llama")
+    batch = ragged_batch([0, 7], 20, seed=5)
+    reference = model.generate(**batch, cache=DynamicCache(config=model.config), max_new_tokens=20, do_sample=False)
+    set_paged_attention(model, decode="flex")
+    with caplog.at_level(logging.WARNING, logger=flex_decode.__name__), PagedCache(model, num_blocks=32) as cache:
+        paged = model.generate(**batch, cache=cache, max_new_tokens=20, do_sample=False)
+    assert torch.equal(paged, reference)
+    assert not FLEX_KERNEL.available
+    [record] = caplog.records
+    assert record.message.startswith("paged_flex: the compiled flex_attention failed (KernelMismatch: its output "
+                                     "differs from SDPA's on a check of")
+
+
+@needs_compiler
 def test_the_batcher_on_paged_flex_answers_each_request_as_generate_alone(monkeypatch, rows_in_groups):
     # 4 requests of 5 to 40 prompt tokens decoding together, their blocks interleaved as they grow
     model = tiny_model("llama")

@@ -16,7 +16,7 @@ It reads each block of 16 keys by a product of its own, which costs more per key
 gathered keys: rows of about one length (which `paged_sdpa` attends in one group, one SDPA call over their
 gathered keys) are left to that (16 rows of 300 tokens at two threads: 0.90x `DynamicCache`'s step time in place
 against 0.95x gathered). `paged_flex` reads in place the decode steps whose rows `paged_sdpa` would attend in two
-groups or more (`cache.step.length_groups`), where the copy and the calls cost the most.
+groups or more (`read_planner.length_groups`), where the copy and the calls cost the most.
 
 Measured on SmolLM2-135M (3 key/value heads of 64, 9 query heads, float32, 30 layers, a 2-core AMD EPYC;
 `scripts/bench_steps.py`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 97.5 against
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 logger = logging.getLogger(__name__)
@@ -151,16 +152,21 @@ def plan_flex_decode(rows: BlockRows, groups: int, capacity: int, device: torch.
 
 
 class FlexKernel:
-    """`flex_attention` compiled once (dynamic shapes), or, once its compile has failed, nothing.
+    """`flex_attention` compiled once (dynamic shapes), checked against SDPA before its first use, or nothing.
 
     One instance serves the process (`FLEX_KERNEL`): what it holds is inductor's compiled code, which is the
-    process's anyway. A compile error (no C++ compiler, an unsupported shape) is logged once, and `available`
-    turns False so that later steps gather as ``paged_sdpa`` does.
+    process's anyway. Before the kernel attends a step of a new shape (heads, query rows per head, head sizes,
+    block size, dtype), it attends a small random case of that shape whose answer SDPA gives over gathered keys
+    (`self_check`): a kernel that compiles but computes wrong here (seen with inductor generating AVX2 code on a
+    CPU with AMX, under ``ATEN_CPU_CAPABILITY=avx2``) is never used. A compile error (no C++ compiler, an
+    unsupported shape) or a failed check is logged once, and `available` turns False so that later steps gather
+    as ``paged_sdpa`` does.
     """
 
     def __init__(self) -> None:
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._failed = False
+        self._checked: set[tuple] = set()  # the shapes whose self-check passed
         self._lock = threading.Lock()
 
     @property
@@ -170,19 +176,68 @@ class FlexKernel:
     def __call__(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask: BlockMask, scale: float
     ) -> torch.Tensor | None:
-        """``flex_attention(query, keys, values, block_mask=..., scale=...)``, or None if the kernel cannot run."""
+        """``flex_attention(query, keys, values, block_mask=..., scale=...)``, or None if the kernel cannot run.
+
+        Args:
+            query: ``[B, H, g, D]``; keys, values: ``[B, H, slots, D]`` and ``[B, H, slots, Dv]``.
+        """
         if self._failed:
             return None
-        with self._lock:
-            if self._compiled is None:
-                self._compiled = torch.compile(flex_attention, dynamic=True)
+        _, heads, groups, key_dim = query.shape
+        shape = (heads, groups, key_dim, values.shape[-1], block_mask.BLOCK_SIZE[1], query.dtype, query.device)
         try:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = torch.compile(flex_attention, dynamic=True)
+                if shape not in self._checked:
+                    self._self_check(*shape)
+                    self._checked.add(shape)
             return self._compiled(query, keys, values, block_mask=block_mask, scale=scale)
         except Exception as error:  # inductor's errors have no common base; any means the same: gather instead
             self._failed = True
             logger.warning("paged_flex: the compiled flex_attention failed (%s: %s); decode steps gather their "
                            "keys as paged_sdpa does from now on", type(error).__name__, str(error).split("\n")[0])
             return None
+
+    def _self_check(self, heads: int, groups: int, key_dim: int, value_dim: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+        """Attend two rows (20 and 5 keys in blocks 1, 2 and 3) of random keys and values through the kernel and
+        through SDPA over each row's gathered keys; `KernelMismatch` where they differ beyond float32 rounding."""
+        generator = torch.Generator().manual_seed(0)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+        rows = _CheckRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=block_size)
+        keys, values = rand(heads, 4 * block_size, key_dim), rand(heads, 4 * block_size, value_dim)  # [H, slots, D]
+        query = rand(2, heads, groups, key_dim)  # [B, H, g, D]
+        plan = plan_flex_decode(rows, groups, keys.shape[1], device)
+        order = plan.order if plan.order is not None else torch.arange(2, device=device)
+        if plan.unfilled is not None:
+            keys.index_fill_(1, plan.unfilled, 0)
+            values.index_fill_(1, plan.unfilled, 0)
+        got = self._compiled(query.index_select(0, order), keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1),
+                             block_mask=plan.block_mask, scale=key_dim**-0.5)  # [B, H, g, Dv] in the kernel's order
+        got = got.index_select(0, torch.argsort(order))
+        for b, (table, count) in enumerate(zip(rows.tables, rows.num_tokens)):
+            slots = (torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[:count]  # [count]
+            expected = F.scaled_dot_product_attention(query[b : b + 1], keys[None, :, slots], values[None, :, slots],
+                                                      scale=key_dim**-0.5)  # [1, H, g, Dv]
+            if not torch.allclose(got[b : b + 1], expected, rtol=1e-4, atol=1e-5):
+                difference = (got[b : b + 1] - expected).abs().max().item()
+                raise KernelMismatch(f"its output differs from SDPA's on a check of {heads} x {groups} heads of "
+                                     f"{key_dim} (max |difference| {difference:.3g})")
+
+
+class KernelMismatch(RuntimeError):
+    """The compiled kernel's answer to `FlexKernel`'s self-check is not SDPA's: it is not used."""
+
+
+@dataclass
+class _CheckRows:
+    tables: list[list[int]]
+    num_tokens: list[int]
+    block_size: int
 
 
 FLEX_KERNEL = FlexKernel()
@@ -195,19 +250,12 @@ def warm_up(heads: int, groups: int, key_dim: int, value_dim: int, dtype: torch.
     """
     if not kernel_takes(dtype, device):
         return False
-    rows = _WarmUpRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=16)
+    rows = _CheckRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=16)
     keys = torch.zeros(heads, 4 * 16, key_dim, dtype=dtype, device=device)  # [H, slots, D]: 4 blocks
     values = torch.zeros(heads, 4 * 16, value_dim, dtype=dtype, device=device)
     query = torch.zeros(2, heads * groups, 1, key_dim, dtype=dtype, device=device)  # [B, Hq, 1, D]
     plan = plan_flex_decode(rows, groups, keys.shape[1], device)
     return attend_flex(query, keys, values, plan, key_dim**-0.5) is not None
-
-
-@dataclass
-class _WarmUpRows:
-    tables: list[list[int]]
-    num_tokens: list[int]
-    block_size: int
 
 
 def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bool:
