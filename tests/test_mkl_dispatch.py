@@ -68,13 +68,14 @@ def test_no_mkl_reports_none(monkeypatch):
 def test_the_server_warns_when_mkl_skips_its_fast_kernels(monkeypatch, caplog, fast, warned):
     from tiny_models import tiny_model
 
-    from hf_paged_cache import kernels, serve
+    from hf_paged_cache import kernels
+    from hf_paged_cache.serving import launch
 
     model = tiny_model("llama")
     monkeypatch.setattr(kernels, "mkl_takes_fast_path", lambda: fast)
-    monkeypatch.setattr(serve, "_load_model", lambda options, dtype: (model, None))
-    options = serve.build_parser().parse_args(["tiny", "--num-blocks", "8", "--no-packed-linears"])
+    monkeypatch.setattr(launch, "_load_model", lambda options, dtype: (model, None))
+    options = launch.build_parser().parse_args(["tiny", "--num-blocks", "8", "--no-packed-linears"])
     with caplog.at_level(logging.WARNING, logger="hf_paged_cache.serve"):
-        batcher, _ = serve.load_batcher(options)
+        batcher, _ = launch.load_batcher(options)
         batcher.close()
     assert any("MKL on AMD CPUs" in record.getMessage() for record in caplog.records) == warned

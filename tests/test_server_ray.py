@@ -165,7 +165,7 @@ def test_a_prefix_summary_counts_the_leading_blocks_a_replica_holds():
 
 
 def test_serve_run_arguments_are_the_serve_commands():
-    from hf_paged_cache.serve import build_parser
+    from hf_paged_cache.serving.launch import build_parser
     from hf_paged_cache.serving.ray.app import builder_argv
 
     argv = builder_argv({"model": "some/model", "replicas": "2", "max_memory": "64MiB", "packed_linears": "false",

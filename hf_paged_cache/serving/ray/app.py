@@ -22,6 +22,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 from ray.serve.handle import DeploymentHandle
 
+from ..launch import build_parser
 from .ingress import Ingress
 from .replica import EngineReplica, PoolBoard
 from .router import PrefixAwareRouter
@@ -63,8 +64,6 @@ def build_application(options: argparse.Namespace, chat_template: str | None = N
 def app_builder(args: dict[str, str]) -> Any:
     """For ``serve run hf_paged_cache.serving.ray.app:app_builder model=default replicas=2 ...``: the serve
     command's options by name (``max_memory=64MiB``; flags as ``true`` / ``false``)."""
-    from ...serve import build_parser
-
     options = build_parser().parse_args(builder_argv(args))
     chat_template = options.chat_template.read_text(encoding="utf-8") if options.chat_template else None
     return build_application(options, chat_template)
@@ -73,8 +72,6 @@ def app_builder(args: dict[str, str]) -> Any:
 def builder_argv(args: dict[str, str]) -> list[str]:
     """``serve run``'s ``name=value`` arguments as the serve command's: ``["MODEL", "--ray", "--name", "value",
     ...]``; ``name=true`` is ``--name``, ``name=false`` is ``--no-name`` (or nothing, for a plain flag)."""
-    from ...serve import build_parser
-
     negatable = {option for action in build_parser()._actions if isinstance(action, argparse.BooleanOptionalAction)
                  for option in action.option_strings}
     args = dict(args)

@@ -19,6 +19,7 @@ from ray import serve
 from ..http.app import build_app
 from ..http.engine import EngineClient
 from ..http.metrics import LabelledStats, ServerMetrics
+from ..launch import server_settings
 from .client import ReplicaClient
 from .replica import REPORT_PERIOD_S
 
@@ -39,8 +40,6 @@ class Ingress:
         self._closed = threading.Event()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        from ...serve import server_settings
-
         return build_app(server_settings(self._options), self._load_engine, pool_stats=lambda: self._pool_stats)
 
     def _load_engine(self, metrics: ServerMetrics) -> EngineClient:

@@ -29,6 +29,7 @@ from ray import serve
 
 from ..batcher import BatcherStats
 from ..http.errors import api_error_for
+from ..launch import load_batcher
 from ..request import RequestHandle
 from .router import SUMMARY_STAT
 from .summary import PrefixSummary
@@ -72,12 +73,10 @@ class PoolBoard:
 @serve.deployment
 class EngineReplica:
     """One replica of the engine: the model, tokenizer and `ContinuousBatcher` the serve command's options
-    describe (`hf_paged_cache.serve.load_batcher`), on the replica's own device and pool."""
+    describe (`hf_paged_cache.serving.launch.load_batcher`), on the replica's own device and pool."""
 
     def __init__(self, options: argparse.Namespace, board: Any):
         import torch
-
-        from ...serve import load_batcher
 
         if options.replica_threads:
             torch.set_num_threads(options.replica_threads)
