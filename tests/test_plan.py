@@ -1,4 +1,4 @@
-"""The KV-memory planner (hf_paged_cache.plan) against bytes measured in real caches.
+"""The KV-memory planner (hf_paged_cache.planner) against bytes measured in real caches.
 
 Each measured run prefills a left-padded ragged batch, then feeds `new_tokens` greedy tokens one at a time,
 so every row stores prompt + new tokens: the planner's convention. `test_generate_stores_one_token_fewer`
@@ -19,11 +19,11 @@ import torch
 from tiny_models import VOCAB, ragged_batch, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
-import hf_paged_cache.plan as plan_module
+import hf_paged_cache.planner.cli as planner_cli
 from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.bench.kv_bytes import cache_tensor_bytes
 from hf_paged_cache.models import resolve_model_path
-from hf_paged_cache.plan import (
+from hf_paged_cache.planner import (
     format_plan,
     load_config_and_weight_bytes,
     main,
@@ -301,12 +301,12 @@ def _one_line_error(stderr: str) -> str:
 
 
 def test_cli_bad_input_is_one_error_line_and_status_2(tmp_path):
-    cases = [  # each its own process, both at once: `python -m hf_paged_cache.plan` as a user runs it
+    cases = [  # each its own process, both at once: `python -m hf_paged_cache.planner` as a user runs it
         (["--max-memory", "lots"], "cannot read 'lots' as a memory size"),
         (["--model", str(tmp_path / "missing" / "config.json")], "cannot read a config from"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    runs = [subprocess.Popen([sys.executable, "-m", "hf_paged_cache.plan", *argv], cwd=ROOT, env=env, text=True,
+    runs = [subprocess.Popen([sys.executable, "-m", "hf_paged_cache.planner", *argv], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv, _ in cases]
     for run, (argv, message) in zip(runs, cases):
         out, err = run.communicate(timeout=120)
@@ -354,7 +354,7 @@ def test_cli_keeps_the_traceback_of_a_real_bug(monkeypatch):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug in the planner")
 
-    monkeypatch.setattr(plan_module, "plan_memory", broken)
+    monkeypatch.setattr(planner_cli, "plan_memory", broken)
     with pytest.raises(ZeroDivisionError, match="a bug in the planner"):  # not turned into "error: ..."
         main(["--model", str(LLAMA2_7B)])
 
@@ -376,3 +376,21 @@ def test_help_shows_each_default_once(capsys):
                     "(default: 16)", "(default: what --max-memory minus the weights buys)",
                     "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
         assert text.count(default) == 1, default
+
+
+def test_the_old_module_paths_still_work_and_warn(monkeypatch):
+    import importlib
+
+    import hf_paged_cache.planner as planner
+    import hf_paged_cache.planner.config_limits as config_limits
+
+    for old, new, names in (("hf_paged_cache.plan", planner, ("plan_memory", "format_plan", "main", "WeightEstimate")),
+                            ("hf_paged_cache.config_limits", config_limits, ("load_config", "CONFIG_LIMITS"))):
+        monkeypatch.delitem(sys.modules, old, raising=False)  # imported afresh, so that it warns again
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import {new.__name__} instead"):
+            module = importlib.import_module(old)
+        assert all(getattr(module, name) is getattr(new, name) for name in names), old
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "hf_paged_cache.plan", "--help"], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0 and "--max-memory" in done.stdout and not done.stderr, done.stderr

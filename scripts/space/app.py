@@ -10,7 +10,7 @@ Two tabs share the app's block pools (one `KVPool` per offered block size, built
   previous turns' blocks with `reuse_prefix`, so only the new tokens are computed; each turn shows the
   tokens reused, the tokens computed and the time to first token.
 
-A third tab, **Plan**, runs no model: it plans KV memory from a config alone (`hf_paged_cache.plan`) for the
+A third tab, **Plan**, runs no model: it plans KV memory from a config alone (`hf_paged_cache.planner`) for the
 demo's model or a Hub id, and shows how many sequences fit beside the weights with each cache.
 
 Every request gets its own cache on the shared pool and releases it when done (`with`), whatever happens.
@@ -53,8 +53,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import KVPool, PagedCache, PoolExhaustedError, parse_memory
 from hf_paged_cache.bench import FirstTokenTimer, static_cache_reserved_bytes
-from hf_paged_cache.config_limits import load_config
-from hf_paged_cache.plan import format_plan, plan_memory, weights_of_model
+from hf_paged_cache.planner import format_plan, load_config, plan_memory, weights_of_model
 
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """Block sizes a batch may pick; the app keeps one shared pool for each."""
@@ -98,7 +97,7 @@ MAX_PLAN_TOKENS = 1 << 20  # per prompt, and new tokens per row
 MAX_PLAN_BLOCK_SIZE = 1024
 MAX_PLAN_MEMORY = 1 << 50  # 1 PiB
 # a Hub config's own sizes (layers, heads, dims, vocabulary, experts, positions) are bounded by
-# hf_paged_cache.config_limits.CONFIG_LIMITS before transformers builds it
+# hf_paged_cache.planner.config_limits.CONFIG_LIMITS before transformers builds it
 PLAN_DTYPES = ("float32", "bfloat16", "float16")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name; never a local path
 
@@ -765,7 +764,7 @@ def run_plan(
     block_size: float = 16,
     max_memory: str | None = "24GiB",
 ) -> str:
-    """The KV-memory plan (`hf_paged_cache.plan`) of a batch, as Markdown.
+    """The KV-memory plan (`hf_paged_cache.planner`) of a batch, as Markdown.
 
     It plans for the demo's `model` (weights counted from its parameters) or, given `hub_id`, for that Hub
     model's config (only ``config.json`` is fetched; weights are counted on the meta device). Local paths
