@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hf_paged_cache.attention.block_attention import splits_query_heads
+from hf_paged_cache.attention.decode import splits_query_heads
 from hf_paged_cache.bench import format_table, write_json
 from hf_paged_cache.kernels import mkl_takes_fast_path
 from hf_paged_cache.serving.heap import pad_heap

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from hf_paged_cache import ContinuousBatcher
-from hf_paged_cache.attention import PAGED_ATTENTION_NAMES, block_attention, set_paged_attention
+from hf_paged_cache.attention import PAGED_ATTENTION_NAMES, decode, set_paged_attention
 from hf_paged_cache.attention.paged_sdpa import decode_kernel
 from hf_paged_cache.bench import (
     add_common_args,
@@ -129,8 +129,7 @@ def installed(timers: StepTimers, kind: str, attention: str) -> Iterator[None]:
             patch(mock.patch.object(step_executor, "_chunk_forward",
                                     timers.step(step_executor._chunk_forward, lambda args: len(args[1].tokens))))
         patch(mock.patch.object(PackedLinear, "forward", timers.timed("linear", PackedLinear.forward)))
-        patch(mock.patch.object(block_attention, "_gather_row_major",
-                                timers.timed("gather", block_attention._gather_row_major)))
+        patch(mock.patch.object(decode, "_gather_row_major", timers.timed("gather", decode._gather_row_major)))
         patch(mock.patch.object(StoredStates, "gather", timers.timed("gather", StoredStates.gather)))
         patch(mock.patch.object(F, "scaled_dot_product_attention",
                                 timers.timed("sdpa", F.scaled_dot_product_attention)))

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-import hf_paged_cache.attention.block_attention as block_attention
 from hf_paged_cache import PagedCache
-from hf_paged_cache.attention.block_attention import merge_attention
+from hf_paged_cache.attention.read_planner import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS
+from hf_paged_cache.attention.softmax import attention_with_lse, merge_attention
 from hf_paged_cache.cache.block_table import RowsView
-from hf_paged_cache.cache.step import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS, StepIndex
+from hf_paged_cache.cache.step import StepIndex
+from test_paged_attention import count_strategy
 from tiny_models import VOCAB, tiny_model
 
 PROMPT = CASCADE_MIN_SHARED + 36  # long enough for the beams to share CASCADE_MIN_SHARED keys and more
@@ -27,9 +28,9 @@ def test_merging_two_halves_gives_attention_over_both(dtype):
     seen[..., 0] = True  # every query sees a key of the second part
     whole_mask = torch.cat([torch.ones(2, 1, 1, 25, dtype=torch.bool), seen], dim=-1)
     whole = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(), attn_mask=whole_mask)
-    first = block_attention._attention_with_lse(query, keys[:, :, :25], values[:, :, :25], None, 16**-0.5)
+    first = attention_with_lse(query, keys[:, :, :25], values[:, :, :25], None, 16**-0.5)
     additive = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))  # as a step builds its tail mask
-    second = block_attention._attention_with_lse(query, keys[:, :, 25:], values[:, :, 25:], additive, 16**-0.5)
+    second = attention_with_lse(query, keys[:, :, 25:], values[:, :, 25:], additive, 16**-0.5)
     merged = merge_attention(*first, *second)
     assert merged.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
@@ -47,34 +48,34 @@ def test_a_decode_step_finds_the_keys_its_rows_share():
     shared = torch.arange(100, 100 + 80).expand(3, 80)  # 80 positions in consecutive slots, all rows alike
     own = torch.tensor([[500, 501], [600, 601], [700, 701]])  # then each row's own
     slots = torch.cat([shared, own], dim=1)  # [3, 82]
-    padded = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_keys(0, window=None)
-    assert padded.runs is None and padded.shared is not None
-    assert (padded.shared.first, padded.shared.count) == (100, 80)
-    assert padded.shared.tail_slots.tolist() == own.reshape(-1).tolist()
-    assert padded.shared.tail_mask.shape == (3, 1, 1, 2)
+    plan = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_plan(0, window=None)
+    assert plan.runs is None and plan.shared is not None
+    assert (plan.shared.first, plan.shared.count) == (100, 80)
+    assert plan.shared.tail_slots.tolist() == own.reshape(-1).tolist()
+    assert plan.shared.tail_mask.shape == (3, 1, 1, 2)
 
 
 def test_the_shared_keys_stop_at_a_gap_in_the_slots_and_never_take_the_new_token():
     slots = torch.arange(100, 100 + 90).expand(2, 90).clone()
     slots[:, 70:] += 1000  # rows alike, but the run of consecutive slots breaks at position 70
-    padded = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_keys(0, None)
-    assert padded.shared.count == 70
+    plan = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_plan(0, None)
+    assert plan.shared.count == 70
     # rows alike to the end, too many to attend each from a view: the new token stays a tail
     rows = ZERO_COPY_MAX_ROWS + 1
     identical = torch.arange(100, 100 + 90).expand(rows, 90)
-    padded = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_keys(0, None)
-    assert padded.runs is None and padded.shared.count == 89
+    plan = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_plan(0, None)
+    assert plan.runs is None and plan.shared.count == 89
 
 
 def test_no_cascade_for_rows_that_share_too_little_padding_or_a_window():
     slots = torch.arange(100, 100 + 80).expand(2, 80).clone()
     slots[1, CASCADE_MIN_SHARED - 1 :] += 1000  # too little shared
-    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, None).shared is None
+    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_plan(0, None).shared is None
     padding = torch.ones(2, 80, dtype=torch.bool)
     padding[1, :4] = False  # left padding: the rows' first keys differ
-    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_keys(0, None).shared is None
+    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_plan(0, None).shared is None
     alike = torch.arange(100, 180).expand(2, 80)
-    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_keys(0, window=40).shared is None
+    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_plan(0, window=40).shared is None
 
 
 def _count_calls(monkeypatch, owner, name: str) -> list[int]:
@@ -93,7 +94,7 @@ def _count_calls(monkeypatch, owner, name: str) -> list[int]:
 @pytest.fixture
 def cascades(monkeypatch):
     """Counts decode attentions that took the cascade."""
-    return _count_calls(monkeypatch, block_attention, "_attend_cascade")
+    return count_strategy(monkeypatch, "cascade")
 
 
 MODES = {
@@ -126,7 +127,7 @@ def test_generate_with_shared_prompts_matches_dynamic_cache(model_type, mode, ca
 @pytest.fixture
 def sdpa_calls(monkeypatch):
     """Counts SDPA calls made by attention from the pool."""
-    return _count_calls(monkeypatch, block_attention.F, "scaled_dot_product_attention")
+    return _count_calls(monkeypatch, F, "scaled_dot_product_attention")
 
 
 def _repeated_prompts() -> torch.Tensor:

@@ -6,13 +6,14 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_paged_attention import count_calls
+from test_paged_attention import count_calls, count_strategy
 from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
-import hf_paged_cache.cache.step as step_module
+import hf_paged_cache.attention.decode as decode_module
+import hf_paged_cache.attention.read_planner as read_planner
 from hf_paged_cache import ContinuousBatcher, PagedCache, set_paged_attention
-from hf_paged_cache.attention import block_attention, flex_decode
+from hf_paged_cache.attention import flex_decode
 from hf_paged_cache.attention.flex_decode import FLEX_KERNEL, attend_flex, balanced_order, plan_flex_decode, warm_up
 from hf_paged_cache.cache.block_table import RowsView
 
@@ -26,7 +27,7 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def rows_in_groups(monkeypatch):
     """Every decode step's rows in groups of their own (no call cost): the steps ``paged_flex`` reads in place."""
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", 0)
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)
 
 
 def test_rows_go_to_the_kernel_long_and_short_in_turn():
@@ -104,8 +105,8 @@ def test_generate_on_paged_flex_equals_dynamic_cache(monkeypatch, rows_in_groups
     reference = model.generate(**batch, cache=DynamicCache(config=model.config), **options)
     set_paged_attention(model, decode="flex")
     runs = flex_runs(monkeypatch)
-    views = count_calls(monkeypatch, block_attention, "_attend_views")
-    gathers = count_calls(monkeypatch, block_attention, "_group_parts")
+    views = count_strategy(monkeypatch, "views")
+    gathers = count_calls(monkeypatch, decode_module, "_group_parts")
     with PagedCache(model, num_blocks=32) as cache:
         paged = model.generate(**batch, cache=cache, **options)
     assert torch.equal(paged.sequences, reference.sequences)
@@ -127,7 +128,7 @@ def test_rows_sharing_a_prompt_keep_the_cascade_on_paged_flex(monkeypatch, rows_
                                do_sample=False)
     set_paged_attention(model, decode="flex")
     runs = flex_runs(monkeypatch)
-    cascades = count_calls(monkeypatch, block_attention, "_attend_cascade")
+    cascades = count_strategy(monkeypatch, "cascade")
     with PagedCache(model, num_blocks=64) as cache:
         paged = model.generate(**batch, cache=cache, max_new_tokens=6, num_beams=3, do_sample=False)
     assert torch.equal(paged, reference)
@@ -157,7 +158,7 @@ def test_paged_flex_leaves_rows_alike_a_row_alone_and_bfloat16_to_paged_sdpa(mon
     runs = flex_runs(monkeypatch)
     with PagedCache(model, num_blocks=32) as cache:  # rows 7 tokens apart: one group, one SDPA call
         model.generate(**ragged_batch([0, 7], 20), cache=cache, max_new_tokens=20, do_sample=False)
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", 0)  # in groups of their own from here on
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)  # in groups of their own from here on
     with PagedCache(model, num_blocks=32) as cache:  # one row: it attends from a view of its blocks
         model.generate(**ragged_batch([0], 20), cache=cache, max_new_tokens=5, do_sample=False)
     model.to(torch.bfloat16)

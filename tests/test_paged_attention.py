@@ -6,9 +6,11 @@ from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
 import hf_paged_cache.cache.layer_io as layer_io
+import hf_paged_cache.attention.decode as decode_module
+import hf_paged_cache.attention.read_planner as read_planner
 import hf_paged_cache.cache.step as step_module
 from hf_paged_cache import PagedCache, set_paged_attention
-from hf_paged_cache.attention import block_attention
+from hf_paged_cache.attention import paged_sdpa, softmax
 from hf_paged_cache.cache.block_table import RowsView
 from hf_paged_cache.pool.kv_format import StoredStates
 
@@ -93,20 +95,20 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
 
 
 @pytest.mark.parametrize("decode", ["sdpa", "products"], ids=["paged_sdpa", "paged_bmm"])
-@pytest.mark.parametrize("call_cost, most_groups", [(step_module.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
+@pytest.mark.parametrize("call_cost, most_groups", [(read_planner.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
 def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups, decode):
     # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
     # gpt_oss): the logits of one plain forward, whether the full-attention layers' decode steps attend the
     # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row, by SDPA or by products
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
     model = tiny_model(model_type)
     set_paged_attention(model, decode=decode)
-    calls = count_calls(monkeypatch, block_attention, "_attend_decode")
-    products = count_calls(monkeypatch, block_attention, "product_attention")
+    calls = count_calls(monkeypatch, paged_sdpa, "attend_decode")
+    products = count_calls(monkeypatch, decode_module, "product_attention")
     grouping = []
-    original = step_module.length_groups
-    monkeypatch.setattr(step_module, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
+    original = read_planner.length_groups
+    monkeypatch.setattr(read_planner, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step, every layer
@@ -118,11 +120,11 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
         assert min(len(groups) for groups in grouping) == 1
 
 
-@pytest.mark.parametrize("call_cost", [step_module.DECODE_CALL_COST, 10, 0])
+@pytest.mark.parametrize("call_cost", [read_planner.DECODE_CALL_COST, 10, 0])
 def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost):
     # at two threads a decode step gathers rows of the storage seen as [H * slots, D] instead of selecting along
     # its slots: the same keys in another layout, so the same logits to the last bit, in 1, 2 or 3 groups of rows
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
     model = tiny_model("llama")
     set_paged_attention(model)
     batch = ragged_batch([0, 7, 13], 40, seed=3)
@@ -130,30 +132,30 @@ def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        gathers = count_calls(monkeypatch, block_attention, "_gather_row_major")
+        gathers = count_calls(monkeypatch, decode_module, "_gather_row_major")
         by_rows = paged_logits(model, batch, spans, num_blocks=48)
         assert gathers  # the decode steps after the rows' first new blocks (the ones before read views)
-        monkeypatch.setattr(block_attention, "gathers_rows", lambda: False)
+        monkeypatch.setattr(decode_module, "gathers_rows", lambda: False)
         along_slots = paged_logits(model, batch, spans, num_blocks=48)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(by_rows, along_slots)
 
 
-@pytest.mark.parametrize("call_cost", [step_module.DECODE_CALL_COST, 0])
+@pytest.mark.parametrize("call_cost", [read_planner.DECODE_CALL_COST, 0])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_decode_steps_splitting_query_heads_match_one_uncached_forward(monkeypatch, model_type, call_cost):
     # at two threads a decode step hands SDPA its query heads one by one ([n, Hq, 1, D], enable_gqa) instead of
     # as the query rows of their key/value head: from views (the first steps) and from gathered groups alike
-    assert block_attention.splits_query_heads() is False  # the suite runs at one thread
+    assert decode_module.splits_query_heads() is False  # the suite runs at one thread
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert block_attention.splits_query_heads() is True
+        assert decode_module.splits_query_heads() is True
     finally:
         torch.set_num_threads(threads)
-    monkeypatch.setattr(block_attention, "splits_query_heads", lambda: True)
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(decode_module, "splits_query_heads", lambda: True)
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
     split_calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -181,9 +183,9 @@ def test_product_attention_matches_sdpa(groups):
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=seen[:, None, None, :], scale=0.3
     )  # [n, H, g, Dv]
-    got = block_attention.product_attention(query, keys, values, seen[:, None, None, :], 0.3)
+    got = softmax.product_attention(query, keys, values, seen[:, None, None, :], 0.3)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    unmasked = block_attention.product_attention(query, keys, values, None, 0.3)
+    unmasked = softmax.product_attention(query, keys, values, None, 0.3)
     expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=0.3)
     torch.testing.assert_close(unmasked, expected, atol=1e-6, rtol=1e-6)
 
@@ -205,14 +207,14 @@ def _every_grouping(rows: list[int]):
 
 
 def test_length_groups_finds_the_cheapest_grouping():
-    assert step_module.length_groups([1000, 60, 150, 1000], 0) == [[1], [2], [0, 3]]
-    assert step_module.length_groups([1000, 60, 150, 1000], 10_000) == [[0, 1, 2, 3]]
-    assert step_module.length_groups([5], 256) == [[0]]
+    assert read_planner.length_groups([1000, 60, 150, 1000], 0) == [[1], [2], [0, 3]]
+    assert read_planner.length_groups([1000, 60, 150, 1000], 10_000) == [[0, 1, 2, 3]]
+    assert read_planner.length_groups([5], 256) == [[0]]
     generator = torch.Generator().manual_seed(0)
     for _ in range(30):  # against every set partition of up to 6 rows
         lengths = torch.randint(1, 400, (int(torch.randint(1, 7, (1,), generator=generator)),), generator=generator)
         lengths, call_cost = lengths.tolist(), int(torch.randint(0, 300, (1,), generator=generator))
-        groups = step_module.length_groups(lengths, call_cost)
+        groups = read_planner.length_groups(lengths, call_cost)
         assert sorted(row for rows in groups for row in rows) == list(range(len(lengths)))
         cheapest = min(_grouping_cost(lengths, g, call_cost) for g in _every_grouping(list(range(len(lengths)))))
         assert _grouping_cost(lengths, groups, call_cost) == cheapest
@@ -222,7 +224,7 @@ def test_length_groups_finds_the_cheapest_grouping():
 def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(monkeypatch, model_type):
     # rows whose keys fill consecutive slots attend from views of the pool (no gather) while they do; once a row
     # takes a block that is not next to its last one, the step gathers as before: the logits never change
-    monkeypatch.setattr(step_module, "ZERO_COPY_MAX_ROWS", 3)
+    monkeypatch.setattr(read_planner, "ZERO_COPY_MAX_ROWS", 3)
     model = tiny_model(model_type)
     set_paged_attention(model)
     views = count_calls(monkeypatch, StoredStates, "run")
@@ -233,7 +235,7 @@ def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(mon
 
 def test_consecutive_runs():
     def runs(tables, num_tokens):
-        return step_module.consecutive_runs(RowsView(tables, num_tokens, block_size=4))
+        return read_planner.consecutive_runs(RowsView(tables, num_tokens, block_size=4))
 
     # the blocks holding each row's tokens follow each other (a partly filled last block included)
     assert runs([[7, 8, 9], [4, 5]], [9, 5]) == [(28, 9), (16, 5)]
@@ -257,6 +259,14 @@ def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
     assert torch.equal(paged, expected)
     assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer
     assert len(slot_maps) == 1  # the prefill's: no decode step maps every position to its slot
+
+
+def count_strategy(monkeypatch, name: str) -> list[int]:
+    """A list that grows by one each time a decode step tries strategy `name` (`decode.DECODE_STRATEGIES`)."""
+    calls: list[int] = []
+    original = decode_module.DECODE_STRATEGIES[name]
+    monkeypatch.setitem(decode_module.DECODE_STRATEGIES, name, lambda *args: calls.append(1) or original(*args))
+    return calls
 
 
 def count_calls(monkeypatch, module, name: str) -> list[int]:

@@ -356,10 +356,10 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
     """``--bmm-decode`` serves on ``paged_bmm``: decode steps by batched products, answers of the asked length."""
     from test_paged_attention import count_calls
 
-    from hf_paged_cache.attention import block_attention
+    from hf_paged_cache.attention import decode
     from hf_paged_cache.serving.launch import build_parser, load_batcher
 
-    products = count_calls(monkeypatch, block_attention, "product_attention")
+    products = count_calls(monkeypatch, decode, "product_attention")
     batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--bmm-decode"]))
     with batcher:
         assert batcher.model.config._attn_implementation == "paged_bmm"
@@ -374,18 +374,18 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
 def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_dir, reference, monkeypatch, caplog):
     """``--flex-decode`` serves on ``paged_flex``: its kernel compiled at start-up, then decode steps read the
     blocks in place (every step's rows in groups of their own here); greedy answers equal `generate` alone."""
-    import hf_paged_cache.cache.step as step_module
+    import hf_paged_cache.attention.read_planner as read_planner
     from hf_paged_cache.attention import flex_decode
     from hf_paged_cache.serving.launch import build_parser, load_batcher
 
-    monkeypatch.setattr(step_module, "DECODE_CALL_COST", 0)
+    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)
 
     model, tokenizer = reference
     prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
     runs = []
     original = flex_decode.attend_flex
     monkeypatch.setattr(flex_decode, "attend_flex", lambda *args: runs.append(1) or original(*args))
-    monkeypatch.setattr("hf_paged_cache.attention.block_attention.attend_flex", flex_decode.attend_flex)
+    monkeypatch.setattr("hf_paged_cache.attention.decode.attend_flex", flex_decode.attend_flex)
     options = build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--flex-decode"])
     with caplog.at_level(logging.INFO, logger="hf_paged_cache.serve"):
         batcher, _ = load_batcher(options)

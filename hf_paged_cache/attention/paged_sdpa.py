@@ -3,8 +3,9 @@
 With a `PagedCache` built from the model, `PagedCache.update` writes the new keys and values into the
 pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
 ``cache.update`` and to the attention function): this function then attends straight from the block
-tables, each row to its own real tokens, with no padded copy (`block_attention.attend_from_pool`). In a
-packed forward (`hf_paged_cache.serving.packed`) it attends each segment of the sequence from its own cache.
+tables, each row to its own real tokens, with no padded copy (`attend_from_pool`: row by row, `prefill`, or a
+decode step's rows at once, `decode`). In a packed forward (`hf_paged_cache.serving.packed`) it attends each
+segment of the sequence from its own cache (`attend_packed`).
 
 Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its
 kwargs, such as GPT-NeoX) it attends over the dense K/V it is given, with the mask transformers built.
@@ -30,19 +31,15 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .block_attention import (
-    DECODE_KERNELS,
-    PAGED_INPUTS,
-    PackedAttentionInputs,
-    attend_from_pool,
-    attend_packed,
-    explicit_attention,
-)
+from .decode import DECODE_KERNELS, attend_decode
+from .prefill import attend_rows
+from .read_plan import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
+from .softmax import explicit_attention
 
 ATTENTION_NAME = "paged_sdpa"
 BMM_ATTENTION_NAME = "paged_bmm"
 """``paged_sdpa``, except that a float32 decode step's groups of rows attend by two batched matrix products
-(`block_attention.product_attention`): faster on CPUs at two threads, equal to ``paged_sdpa`` up to float32
+(`softmax.product_attention`): faster on CPUs at two threads, equal to ``paged_sdpa`` up to float32
 rounding but not bit for bit (so greedy search can part from `DynamicCache`'s at a near-tie)."""
 FLEX_ATTENTION_NAME = "paged_flex"
 """``paged_sdpa``, except that a float32 decode step on a CPU whose rows differ in length (two groups or more)
@@ -118,6 +115,44 @@ def paged_sdpa_attention(
         sink_logits = None if sinks is None else sinks.view(1, -1, 1, 1).expand(query.shape[0], -1, q_len, 1)
         out = explicit_attention(query, key, value, attention_mask, scale, softcap, sink_logits, dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attend_packed(
+    query: torch.Tensor,
+    packed: PackedAttentionInputs,
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    decode: str = "sdpa",
+) -> torch.Tensor:
+    """Attention of a packed `query` ``[1, Hq, T, D]``, each segment from its own rows; returns ``[1, T, Hq, Dv]``."""
+    outs = []
+    for span, inputs in zip(packed.spans, packed.inputs, strict=True):
+        own = span.unpack(query).contiguous()  # [rows, Hq, length, D]
+        # [rows, length, Hq, Dv]
+        out = attend_from_pool(own, inputs, scaling, softcap, sinks, dropout, decode)
+        outs.append(out.reshape(1, span.rows * span.length, *out.shape[2:]))
+    return torch.cat(outs, dim=1)
+
+
+def attend_from_pool(
+    query: torch.Tensor,
+    inputs: PagedAttentionInputs,
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    decode: str = "sdpa",
+) -> torch.Tensor:
+    """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
+
+    Padding queries (new tokens that are padding) are not computed: their output is zero.
+    `decode`: how a decode step's rows attend (one of `DECODE_KERNELS`).
+    """
+    if inputs.decode_plan is not None:
+        return attend_decode(query, inputs, inputs.decode_plan, scaling, softcap, sinks, dropout, decode)
+    return attend_rows(query, inputs, scaling, softcap, sinks, dropout)
 
 
 def paged_bmm_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:

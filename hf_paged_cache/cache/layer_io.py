@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.block_attention import PAGED_INPUTS, PagedAttentionInputs, by_row
+from ..attention.read_plan import PAGED_INPUTS, PagedAttentionInputs, by_row
 from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 from .step import StepIndex
@@ -45,12 +45,14 @@ def store_layer(
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
         if attention_kwargs is not None:
-            padded = index.decode_keys(offset, window, views=keys.plain is not None and values.plain is not None)
-            per_row = padded is None  # else a decode step's rows attend in groups: no per-row index is made
+            decode_plan = index.decode_plan(
+                offset, window, views=keys.plain is not None and values.plain is not None
+            )
+            per_row = decode_plan is None  # else a decode step's rows attend in groups: no per-row index is made
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
                 keys, values, keys.num_heads, index.row_keys(offset) if per_row else None,
                 index.queries() if per_row else None, window, lock,
-                (key_states, value_states) if index.new_from_states else None, padded,
+                (key_states, value_states) if index.new_from_states else None, decode_plan,
             )
             return key_states, value_states
         slots = index.read_slots_from(offset)  # [B * kv], keys and values alike

@@ -7,7 +7,7 @@ model sees one sequence of all T new tokens with their own ``position_ids``: eac
 over all of them. At each layer `PackedCaches.update` hands every member its slice of the new keys and
 values, shaped ``[rows, heads, q, dim]`` as if it ran alone (`PagedCache.update` stores them and plans
 attention from the pool), and `paged_sdpa` attends each slice from its own member's blocks
-(`block_attention.attend_packed`). No token attends across members.
+(`paged_sdpa.attend_packed`). No token attends across members.
 
 Packing needs attention straight from the pool (``paged_sdpa`` and a model that hands its attention kwargs
 to ``cache.update``); otherwise `PackingUnsupported` is raised before anything is kept.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedModel
 
-from ..attention.block_attention import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
+from ..attention.read_plan import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
 from ..attention.paged_sdpa import ATTENTION_NAME
 from ..cache.paged_cache import PagedCache
 
