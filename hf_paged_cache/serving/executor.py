@@ -32,9 +32,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention import PAGED_ATTENTION_NAMES
+from ..cache.packed_caches import PackingUnsupported, Segment
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
-from .packed import PackingUnsupported, Segment, packed_forward
+from .packed import packed_forward
 from .logprobs import token_logprobs
 from .request import Request
 from .steps import Chunk, StepPlan, StepResult, StepTimes
