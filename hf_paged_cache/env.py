@@ -17,6 +17,7 @@ import torch
 
 from .kernels import cpu_capability, mkl_takes_fast_path, packed_linears_supported, packing_probe
 from .kernels.cpu_capability import CAPABILITY_ENV, cpu_model_name
+from .models import fast_dtype
 from .serving.heap import glibc_malloc
 
 CXX_COMPILERS = ("g++", "c++", "clang++")
@@ -25,8 +26,6 @@ CXX_COMPILERS = ("g++", "c++", "clang++")
 
 def cpu_report() -> list[tuple[str, str]]:
     """``(what, answer)`` pairs: the machine, its capability level, and each CPU path with what runs here."""
-    from .models import fast_dtype  # transformers is heavy: only when reporting
-
     capability = cpu_capability()
     compiler = next((found for name in CXX_COMPILERS if (found := shutil.which(name))), None)
     mkl = mkl_takes_fast_path()

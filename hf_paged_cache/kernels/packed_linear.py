@@ -101,16 +101,20 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if (wants_grad or weight.device.type != "cpu" or x.dtype != weight.dtype
-                or not packing_probe(weight.dtype).supported):
+        packed = None if wants_grad or weight.device.type != "cpu" or x.dtype != weight.dtype else self._packed_weight()
+        if packed is None:
             return F.linear(x, weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
-    def _packed_weight(self) -> torch.Tensor:
+    def _packed_weight(self) -> torch.Tensor | None:
+        """The weight packed for oneDNN, packed again when it changed; None where `packing_probe` refuses its dtype
+        (asked once per change of weight, not per product)."""
         weight = self.weight
         source = (id(weight), weight._version, weight.dtype, weight.device)
-        if self._packed is None or self._packed_from != source:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+        if self._packed_from != source:
+            self._packed = None
+            if packing_probe(weight.dtype).supported:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
             self._packed_from = source
         return self._packed
 
