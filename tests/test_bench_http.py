@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench_http.py``: our server (a real subprocess on a free port) against the in-process
+"""Smoke test of ``scripts/bench/serving/bench_http.py``: our server (a real subprocess on a free port) against the in-process
 `ContinuousBatcher`, on a tiny random Llama with the character tokenizer of ``tests/data/char_tokenizer``.
 
 The test checks the JSON fields, the accounting and that the two contenders answer alike, never a timing; the

@@ -40,8 +40,14 @@ from tiny_models import VOCAB, tiny_model
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+def script_path(name: str) -> Path:
+    """The one script called ``{name}.py`` in ``scripts/``'s groups (bench/generate, bench/serving, ...)."""
+    (path,) = SCRIPTS.rglob(f"{name}.py")
+    return path
+
+
 def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", script_path(name))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
     spec.loader.exec_module(module)

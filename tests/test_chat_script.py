@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "chat_prefix_cache.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "examples" / "chat_prefix_cache.py"
 
 
 def test_chat_turns_reuse_previous_blocks(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Greedy generation DynamicCache vs PagedCache (hf_paged_cache.eval.generation, scripts/eval_generate.py)."""
+"""Greedy generation DynamicCache vs PagedCache (hf_paged_cache.eval.generation, scripts/eval/eval_generate.py)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_eval_generate_script(tmp_path):
         "\n".join(json.dumps({"id": f"p{n}", "prompt": "word " * n}) for n in (1, 9, 3, 14, 2)) + "\n",
         encoding="utf-8",
     )
-    spec = importlib.util.spec_from_file_location("eval_generate_script", REPO / "scripts" / "eval_generate.py")
+    spec = importlib.util.spec_from_file_location("eval_generate_script", REPO / "scripts" / "eval" / "eval_generate.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "gen.json"
@@ -93,7 +93,7 @@ def test_eval_generate_script(tmp_path):
 
 
 def test_shipped_prompts_are_valid():
-    lines = (REPO / "scripts" / "data" / "eval_prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (REPO / "scripts" / "eval" / "data" / "eval_prompts.jsonl").read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     assert len(records) >= 10
     assert len({r["id"] for r in records}) == len(records)

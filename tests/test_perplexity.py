@@ -1,4 +1,4 @@
-"""Strided perplexity (hf_paged_cache.eval.perplexity), corpora, the evaluate metric and scripts/perplexity.py."""
+"""Strided perplexity (hf_paged_cache.eval.perplexity), corpora, the evaluate metric and scripts/eval/perplexity.py."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def corpus_ids(tokenizer) -> torch.Tensor:
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / "eval" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

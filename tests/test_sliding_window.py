@@ -239,7 +239,7 @@ GEMMA3_DIR = default_cache_dir() / GEMMA3_DIRNAME
 
 @pytest.mark.skipif(
     not (GEMMA3_DIR / "config.json").is_file(),
-    reason="Gemma-3-270m is not converted on this machine (python scripts/bench_layer_groups.py --model "
+    reason="Gemma-3-270m is not converted on this machine (python scripts/bench/generate/bench_layer_groups.py --model "
     "gemma-3-270m converts it, about 100 s)",
 )
 @pytest.mark.parametrize("attention, dtype, tolerance", [

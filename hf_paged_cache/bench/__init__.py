@@ -1,4 +1,4 @@
-"""Helpers for the benchmark scripts (``scripts/bench_*.py``) and the demo: not part of the library's API.
+"""Helpers for the benchmark scripts (``scripts/bench/``) and the demo: not part of the library's API.
 
 - `workload`: the seeded ShareGPT-shaped request stream, or one of uniform lengths;
 - `kv_bytes`: KV byte accounting for dense and paged caches;

@@ -5,10 +5,10 @@ tokens every --stride tokens, context tokens labelled -100), with the NLL averag
 (token-weighted sum, not the mean of per-window means); see hf_paged_cache/eval/perplexity.py.
 
 Examples:
-    python scripts/perplexity.py --max-tokens 4096 --compare --json results/ppl.json
-    python scripts/perplexity.py --corpus tests/data/perplexity_corpus.txt --cache dynamic
-    python scripts/perplexity.py --corpus wikitext:wikitext-2-raw-v1        # Hub dataset, when online
-    python scripts/perplexity.py --caches paged,paged:int8,paged:bfloat16   # keys and values stored as int8 ...
+    python scripts/eval/perplexity.py --max-tokens 4096 --compare --json results/ppl.json
+    python scripts/eval/perplexity.py --corpus tests/data/perplexity_corpus.txt --cache dynamic
+    python scripts/eval/perplexity.py --corpus wikitext:wikitext-2-raw-v1        # Hub dataset, when online
+    python scripts/eval/perplexity.py --caches paged,paged:int8,paged:bfloat16   # keys and values stored as int8 ...
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ the per-repeat ratios against ``sdpa``, and the largest absolute difference from
 
 Command (the numbers in docs/benchmarks.md)::
 
-    python scripts/bench_prompt_attention.py --threads 2 --out results/bench_prompt_attention.json
+    python scripts/bench/cpu/bench_prompt_attention.py --threads 2 --out results/bench_prompt_attention.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Greedy generation with DynamicCache vs PagedCache on ragged prompts: exact match and memory.
 
-The prompts (scripts/data/eval_prompts.jsonl by default: one JSON object per line with "id" and "prompt")
+The prompts (scripts/eval/data/eval_prompts.jsonl by default: one JSON object per line with "id" and "prompt")
 are chat-templated when the tokenizer has a chat template, left-padded into batches and generated greedily
 twice per batch, once with a DynamicCache and once with a PagedCache (hf_paged_cache.eval.generation).
 With --batcher, every prompt also goes through a ContinuousBatcher, timed against the DynamicCache runs. The
@@ -8,7 +8,7 @@ comparison and the batcher each run on a thread of their own (`in_fresh_thread`)
 does not inherit the OpenMP worker pool the comparison leaves behind.
 
 Example:
-    python scripts/eval_generate.py --json results/eval_generate.json
+    python scripts/eval/eval_generate.py --json results/eval_generate.json
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument(
         "--prompts", type=Path, default=DEFAULT_PROMPTS,
-        help="JSONL file of prompts (default: scripts/data/eval_prompts.jsonl)",
+        help="JSONL file of prompts (default: scripts/eval/data/eval_prompts.jsonl)",
     )
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per ragged batch (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default: 32)")

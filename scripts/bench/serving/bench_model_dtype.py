@@ -13,8 +13,8 @@ requests whose tokens are all the same and the mean position of the first differ
 
 Commands (the numbers in docs/benchmarks.md)::
 
-    python scripts/bench_model_dtype.py --threads 1 --out results/bench_model_dtype_1t.json
-    python scripts/bench_model_dtype.py --threads 2 --out results/bench_model_dtype_2t.json
+    python scripts/bench/serving/bench_model_dtype.py --threads 1 --out results/bench_model_dtype_1t.json
+    python scripts/bench/serving/bench_model_dtype.py --threads 2 --out results/bench_model_dtype_2t.json
 """
 
 from __future__ import annotations

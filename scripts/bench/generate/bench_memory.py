@@ -38,7 +38,7 @@ count, so the comparison stays like for like.
 
 Command (the CPU run reported in docs/benchmarks.md; ``--device cuda`` works the same)::
 
-    python scripts/bench_memory.py --threads 1 --max-prompt 512 --new-tokens 32 --static-context allocate \
+    python scripts/bench/generate/bench_memory.py --threads 1 --max-prompt 512 --new-tokens 32 --static-context allocate \
         --out results/bench_memory.json
 """
 
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vs_static = ratio(counts["paged"], counts["static_batch_max"])
     results: dict[str, Any] = {
         "benchmark": "memory",
-        "command": "python scripts/bench_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python scripts/bench/generate/bench_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),

@@ -19,7 +19,7 @@ reference):
 
 Command (the numbers in docs/benchmarks.md)::
 
-    python scripts/bench_kv_dtype.py --threads 1,2 --out results/bench_kv_dtype.json
+    python scripts/bench/generate/bench_kv_dtype.py --threads 1,2 --out results/bench_kv_dtype.json
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ greedy ``generate`` with ``DynamicCache`` on each request alone (``tokens identi
 
 Commands (the numbers and chart in docs/benchmarks.md; the second: 16 requests at once against one ``generate`` batch)::
 
-    python scripts/bench_serving.py --threads 2 --out results/bench_serving.json
-    python scripts/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \
+    python scripts/bench/serving/bench_serving.py --threads 2 --out results/bench_serving.json
+    python scripts/bench/serving/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \
         --max-prompt 250 --min-new 32 --max-new 93 --contenders dynamic,batcher --out results/bench_serving_16.json
 """
 

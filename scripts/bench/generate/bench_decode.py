@@ -40,11 +40,11 @@ tokens), so that a batch's raggedness is chosen, not drawn.
 Commands (the CPU runs reported in docs/benchmarks.md; on a GPU drop the size flags to get the defaults: batch
 sizes 1,8,32, prompts up to 1024, 128 new tokens)::
 
-    python scripts/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
+    python scripts/bench/generate/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
         --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t1.json
-    python scripts/bench_decode.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
+    python scripts/bench/generate/bench_decode.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
         --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t2.json
-    python scripts/bench_decode.py --threads 1 --prompt-lens 512 --new-tokens 64 --modes greedy \
+    python scripts/bench/generate/bench_decode.py --threads 1 --prompt-lens 512 --new-tokens 64 --modes greedy \
         --out results/bench_decode_b1_512.json
 """
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = [run_scenario(model, s, workload, pad_id, args) for s in tqdm(plan, desc="scenarios", unit="scenario")]
     payload: dict[str, Any] = {
         "benchmark": "decode",
-        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python scripts/bench/generate/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),

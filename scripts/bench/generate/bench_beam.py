@@ -21,7 +21,7 @@ median over repeats reported (target: PagedCache faster, ratio > 1).
 
 Command (the CPU run reported in docs/benchmarks.md; defaults are issue #3's 512-token prompt and 128 tokens)::
 
-    python scripts/bench_beam.py --threads 1 --out results/bench_beam.json
+    python scripts/bench/generate/bench_beam.py --threads 1 --out results/bench_beam.json
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     payload: dict[str, Any] = {
         "benchmark": "beam",
-        "command": "python scripts/bench_beam.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python scripts/bench/generate/bench_beam.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),

@@ -7,8 +7,8 @@ prefilled again. Both paths must produce the same tokens; the script prints, per
 and computed and the time to first token (TTFT) of each path (one run each per turn, alternating which
 goes first; turn 1, where both paths compute everything, shows the timing noise).
 
-    python scripts/chat_prefix_cache.py                 # SmolLM2-135M-Instruct, offline if needed
-    python scripts/chat_prefix_cache.py --turns 4 --max-new-tokens 48 --json results/chat.json
+    python scripts/examples/chat_prefix_cache.py                 # SmolLM2-135M-Instruct, offline if needed
+    python scripts/examples/chat_prefix_cache.py --turns 4 --max-new-tokens 48 --json results/chat.json
 """
 
 from __future__ import annotations

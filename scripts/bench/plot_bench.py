@@ -14,7 +14,7 @@ Reads from ``--results-dir`` (default: ``results``) whichever of these exist and
 
 Command::
 
-    python scripts/plot_bench.py --results-dir results --out-dir results
+    python scripts/bench/plot_bench.py --results-dir results --out-dir results
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decode steps of one batch, the caches alternated step by step in one process: the finest A/B of paging.
 
-`scripts/bench_decode.py` times whole ``generate`` runs, one cache after the other; on a shared CPU whose
+`scripts/bench/generate/bench_decode.py` times whole ``generate`` runs, one cache after the other; on a shared CPU whose
 speed drifts from minute to minute, a pair of runs seconds apart can differ by 10% or more for no reason of
 their own. Here every variant holds its own cache of the same left-padded batch, prefilled once, and each
 decode step runs the same new tokens through every variant in turn, the order rotated from step to step
@@ -24,8 +24,8 @@ variant's step time is what a step costs it beyond the math (Python, the cache's
 
 Commands (the CPU runs reported in docs/benchmarks.md)::
 
-    python scripts/bench_steps.py --threads 1 --prompt-lens 512 --pad-heap --out results/bench_steps_b1_t1.json
-    python scripts/bench_steps.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --pad-heap \
+    python scripts/bench/generate/bench_steps.py --threads 1 --prompt-lens 512 --pad-heap --out results/bench_steps_b1_t1.json
+    python scripts/bench/generate/bench_steps.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --pad-heap \
         --out results/bench_steps_ragged8_t2.json
 """
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measured = run(model, batch, args)
     payload: dict[str, Any] = {
         "benchmark": "steps",
-        "command": "python scripts/bench_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python scripts/bench/generate/bench_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),

@@ -16,7 +16,7 @@ Reported per call: both kinds' medians over the rounds and the median of the per
 
 Command (the numbers in docs/benchmarks.md)::
 
-    python scripts/bench_mkl_dispatch.py --preload "$PWD/libmkl_any_cpu.so" --out results/bench_mkl_dispatch.json
+    python scripts/bench/cpu/bench_mkl_dispatch.py --preload "$PWD/libmkl_any_cpu.so" --out results/bench_mkl_dispatch.json
 """
 
 from __future__ import annotations

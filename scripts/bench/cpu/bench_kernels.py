@@ -14,7 +14,7 @@ difference and whether every row's greedy token agrees.
 
 Command (the numbers in docs/benchmarks.md)::
 
-    python scripts/bench_kernels.py --threads 2 --batch-sizes 1,4,16 --out results/bench_kernels.json
+    python scripts/bench/cpu/bench_kernels.py --threads 2 --batch-sizes 1,4,16 --out results/bench_kernels.json
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ of the mean step.
 
 Commands (the numbers in docs/benchmarks.md)::
 
-    python scripts/profile_steps.py --threads 2 --out results/profile_decode_float32_t2.json
-    python scripts/profile_steps.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json
-    python scripts/profile_steps.py --steps prompt --threads 2 --num-requests 48 --max-prompt 400 --max-new 1 \
+    python scripts/bench/serving/profile_steps.py --threads 2 --out results/profile_decode_float32_t2.json
+    python scripts/bench/serving/profile_steps.py --threads 2 --dtype bfloat16 --out results/profile_decode_bfloat16_t2.json
+    python scripts/bench/serving/profile_steps.py --steps prompt --threads 2 --num-requests 48 --max-prompt 400 --max-new 1 \
         --output-scale 1 --out results/profile_prompt_float32_t2.json
 """
 

@@ -35,9 +35,9 @@ a few may diverge).
 
 Command (the CPU run reported in docs/benchmarks.md)::
 
-    python scripts/bench_cb.py --threads 1 --num-requests 16 --max-prompt 256 --new-tokens 32 \
+    python scripts/bench/serving/bench_cb.py --threads 1 --num-requests 16 --max-prompt 256 --new-tokens 32 \
         --outputs fixed --out results/bench_cb_fixed.json
-    python scripts/bench_cb.py --threads 1 --num-requests 16 --max-prompt 256 --new-tokens 96 \
+    python scripts/bench/serving/bench_cb.py --threads 1 --num-requests 16 --max-prompt 256 --new-tokens 96 \
         --outputs sharegpt --output-scale 0.125 --out results/bench_cb_sharegpt.json
 """
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary[engine]["requests_with_same_tokens_as_dynamic"] = f"{same}/{len(workload)}"
     payload: dict[str, Any] = {
         "benchmark": "continuous_batching",
-        "command": "python scripts/bench_cb.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python scripts/bench/serving/bench_cb.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "model": model.name_or_path,
         "dtype": str(model.dtype),

@@ -21,7 +21,7 @@ single row of the same tokens holds in PagedCache).
 
 Command (the numbers in docs/benchmarks.md; Gemma-3-270m is fetched and converted on first use)::
 
-    python scripts/bench_layer_groups.py --model gemma-3-270m --threads 2 --out results/bench_layer_groups.json
+    python scripts/bench/generate/bench_layer_groups.py --model gemma-3-270m --threads 2 --out results/bench_layer_groups.json
 """
 
 from __future__ import annotations

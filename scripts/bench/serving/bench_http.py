@@ -2,7 +2,7 @@
 
 Workload: ``--num-requests`` requests of the seeded ShareGPT-shaped stream (`hf_paged_cache.bench`), prompts
 capped at ``--max-prompt`` tokens; request ``i`` asks for ``o_i = clamp(round(draw_i x --output-scale), 1,
---max-new)`` tokens, as in ``scripts/bench_serving.py``. Prompts are sent as **text**: the workload's random
+--max-new)`` tokens, as in ``scripts/bench/serving/bench_serving.py``. Prompts are sent as **text**: the workload's random
 token ids decoded with the model's tokenizer (``transformers serve`` refuses token-id prompts: "prompt must be a
 string"), and each server tokenizes that text itself (``tokenizer(text)``, special tokens added as the
 tokenizer adds them). Every request is greedy (``temperature=0``) with ``max_tokens = o_i`` and EOS ignored
@@ -86,7 +86,7 @@ after), prefix caching and chunked prefill on (its defaults). It takes ``ignore_
 
 Command (the full run, default model)::
 
-    python scripts/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
+    python scripts/bench/serving/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
 
 and with vLLM too: ``--contenders ours,transformers,batcher,vllm``.
 
@@ -107,7 +107,7 @@ warm-up uses prefixes of another seed, so every timed hit is earned by the timed
 **ceiling** is the rate of one pool that computes each shared block once and forgets nothing (the requests
 in order, each finding the full blocks an earlier prompt began with). Command::
 
-    python scripts/bench_http.py --ray --replicas 2 --threads 2 --repeats 3 --out results/bench_http_ray.json
+    python scripts/bench/serving/bench_http.py --ray --replicas 2 --threads 2 --repeats 3 --out results/bench_http_ray.json
 """
 
 from __future__ import annotations
