@@ -178,7 +178,7 @@ def check_step(batcher, nan_blocks: NaNBlocks) -> None:
     """The invariants at a step boundary (run on the loop thread, after each step is applied)."""
     scheduler = batcher._scheduler
     caches = [scheduler.running_cache, *(p.cache for p in scheduler.prefilling)]
-    assert all(cache.batch.step is None for cache in caches), "a cache holds a pending step between steps"
+    assert all(cache.steps.step is None for cache in caches), "a cache holds a pending step between steps"
     assert scheduler.running_cache.batch.batch_size == len(scheduler.running), "running rows out of step"
     for group, blocks in enumerate(batcher.pool.groups):
         held = collections.Counter(

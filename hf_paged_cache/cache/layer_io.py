@@ -4,7 +4,8 @@
 attention one of three things: for ``paged_sdpa``, a read plan over the pool (`PagedAttentionInputs`, no
 copy); for any other attention, dense ``[B, heads, kv_length, dim]`` K/V gathered through the block tables
 (padding reads the all-zero null block); for a grad-enabled forward on an empty cache, the new K/V
-themselves, so that gradients flow as with `DynamicCache`.
+themselves, so that gradients flow as with `DynamicCache`. `dense_layer` gathers a layer's stored K/V the
+same way for readers (`PagedLayer.keys`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 
 from ..attention.read_plan import PAGED_INPUTS, PagedAttentionInputs, by_row
 from ..pool.kv_format import StoredStates
+from ..pool.kv_pool import KVPool
 from ..pool.locks import SharedExclusiveLock
+from .block_table import RowsView, slots_for_positions
 from .step import StepIndex
 
 
@@ -77,3 +80,23 @@ def gather(storage: StoredStates, slots: torch.Tensor, batch_size: int) -> torch
     """Dense ``[B, H, kv, D]`` K or V at `slots` ``[B * kv]`` (row after row), contiguous as `DynamicCache` holds
     them, so that any attention implementation takes them."""
     return by_row(storage.gather(slots), batch_size).contiguous()
+
+
+def dense_layer(
+    pool: KVPool, layer_idx: int, rows: RowsView, is_real: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer_idx`'s keys and values from position `offset` on, as dense ``[B, H, L - offset, D]`` copies.
+
+    Args:
+        rows: the block tables of the layer's group, as the caller reads them (the last committed step's).
+        is_real: ``[B, L]`` False where a position is padding (it reads the null block's zeros).
+    Raises:
+        ValueError: the layer has stored nothing yet.
+    """
+    keys, values = pool.stored(layer_idx)
+    device = keys.data.device
+    table = rows.as_tensor(device)  # [B, max_blocks]
+    slots = slots_for_positions(table, is_real.to(device), pool.block_size)  # [B, L]
+    slots = slots[:, offset:].reshape(-1)  # [B * (L - offset)]
+    with pool.storage_lock.shared():
+        return gather(keys, slots, is_real.shape[0]), gather(values, slots, is_real.shape[0])

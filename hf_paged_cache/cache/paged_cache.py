@@ -12,12 +12,12 @@ from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, attention_windows
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
+from .forward_steps import ForwardSteps
 from .inputs import install_input_hook, prefix_root
 from .layer import PagedLayer
-from .layer_io import store_layer
+from .layer_io import dense_layer, store_layer
 from .sharing import BlockSharing
 from .stats import CacheStats
-from .tracker import StepTracker
 
 
 class PagedCache(BlockSharing, Cache):
@@ -81,7 +81,7 @@ class PagedCache(BlockSharing, Cache):
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
-        self.steps = StepTracker(self.batch, self.layers, manual_commit)
+        self.steps = ForwardSteps(self.batch, self.layers, manual_commit)
         # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
         # rows[i] (`repeat_rows_after_forward`)
         self._rows_after_forward: torch.Tensor | None = None
@@ -115,7 +115,7 @@ class PagedCache(BlockSharing, Cache):
         needs_grad = _needs_grad(key_states, value_states, step.past_length)
         attention_kwargs = kwargs.get("kwargs")  # the dict transformers also hands the attention function
         from_pool = step.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
-        index = self.batch.index(self.pool.group_of[layer_idx], key_states.device)
+        index = self.steps.index(self.pool.group_of[layer_idx], key_states.device)
         result = store_layer(
             keys, values, key_states, value_states, index,
             layer.window_offset(),  # before this step's tokens count, as `get_mask_sizes` saw it
@@ -181,7 +181,7 @@ class PagedCache(BlockSharing, Cache):
         is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
         self.steps.drop_unfinished()
-        self.batch.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
+        self.steps.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 
     # ------------------------------------------------------------------ the Cache contract
 
@@ -251,7 +251,7 @@ class PagedCache(BlockSharing, Cache):
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
         with self.batch.lock:
-            self.batch.reset()  # an unfinished step's blocks are released with the rest
+            self.steps.reset()  # an unfinished step's blocks are released with the rest
             for layer in self.layers:
                 layer.reset()
 
@@ -271,26 +271,26 @@ class PagedCache(BlockSharing, Cache):
     def batch_size(self) -> int:
         """Rows (sequences) the cache holds, as its last committed step left them."""
         with self.batch.lock:
-            return self.batch.committed()[0][0].batch_size
+            return self.steps.committed()[0][0].batch_size
 
     @property
     def block_tables(self) -> RowsView:
         """A snapshot of each row's blocks (first layer group) and stored tokens, as last committed."""
         self.steps.settle_failed_here()
         with self.batch.lock:
-            return self.batch.committed()[0][0].copy()
+            return self.steps.committed()[0][0].copy()
 
     @property
     def is_real(self) -> torch.Tensor:
         """``[B, L]`` bool: False where a logical position is padding (stored nowhere), as last committed."""
         with self.batch.lock:
-            return self.batch.committed()[1]
+            return self.steps.committed()[1]
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds, in total and per layer group, as last committed."""
         self.steps.settle_failed_here()
         with self.batch.lock:
-            return CacheStats.of(self.batch.committed()[0], self.pool)
+            return CacheStats.of(self.steps.committed()[0], self.pool)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
@@ -300,12 +300,13 @@ class PagedCache(BlockSharing, Cache):
         self.steps.settle_failed_here()
         with self.batch.lock:  # held while gathering: a commit may free blocks the last committed step holds
             offset = self.layers[layer_idx].window_offset(self.steps.committed_length())
-            return self.batch.dense(layer_idx, offset)
+            views, is_real = self.steps.committed()
+            return dense_layer(self.pool, layer_idx, views[self.pool.group_of[layer_idx]], is_real, offset)
 
     def __repr__(self) -> str:
         self.steps.settle_failed_here()
         with self.batch.lock:
-            views = self.batch.committed()[0]
+            views = self.steps.committed()[0]
             blocks = [len(view.unique_blocks()) for view in views]
             length = self.steps.committed_length()
         return (

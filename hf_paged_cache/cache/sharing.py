@@ -8,8 +8,8 @@ import torch
 
 from ..pool.kv_pool import KVPool
 from .batch import PagedBatch
+from .forward_steps import ForwardSteps
 from .layer import PagedLayer
-from .tracker import StepTracker
 
 
 class BlockSharing:
@@ -20,7 +20,7 @@ class BlockSharing:
 
     pool: KVPool
     batch: PagedBatch
-    steps: StepTracker
+    steps: ForwardSteps
     layers: list[PagedLayer]
     _source: Any  # the model or config a twin is built from
 

@@ -1,7 +1,7 @@
 """Planning one forward: which blocks its new tokens take, and which pool slot every position reads.
 
 A forward calls ``cache.update`` once per layer with the same batch of new tokens. The first layer plans
-the step for all of them (`PagedBatch.begin`, `plan_group`): in every layer group it takes blocks for the
+the step for all of them (`ForwardSteps.begin`, `plan_group`): in every layer group it takes blocks for the
 real new tokens (all or nothing) and records which positions are padding. Each group and device then gets
 one `StepIndex` of slot ids (`build_index`), shared by the group's layers on that device and by keys and
 values alike. How attention reads those slots (each row's keys and queries, or a decode step's `DecodePlan`)

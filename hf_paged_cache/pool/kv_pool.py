@@ -29,7 +29,7 @@ id space grows. Resizing frees the old memory, so nobody may touch the tensors m
 that read or write a layer's tensors (`PagedCache`):
 
 1. Hold ``pool.storage_lock.shared()`` for as long as you read or write a layer's tensors (writing the new
-   keys/values, gathering K/V, attending from views): `PagedCache.update`, `PagedBatch.dense` and
+   keys/values, gathering K/V, attending from views): `PagedCache.update`, `dense_layer` and
    `attend_from_pool` do. Call `layer()` (which may create the layer's tensors, under `exclusive()`) before
    entering `shared()`. Results of a gather (``index_select``) are copies, safe to use after the block;
    views are not.

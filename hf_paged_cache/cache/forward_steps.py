@@ -1,0 +1,241 @@
+"""`ForwardSteps`: the forward in flight on one cache, from its first layer until it is kept or rolled back."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
+from .batch import PagedBatch
+from .block_table import BlockTables, RowsView
+from .inputs import PendingInputs, repeated_rows
+from .layer import PagedLayer
+from .step import Step, StepIndex, build_index, keep_from, plan_group, prefix_token_ids
+
+
+class ForwardSteps:
+    """The forwards on one cache's rows (`batch`), each one step: when it begins, when it is complete, kept
+    (committed) or rolled back, and what readers see meanwhile.
+
+    The first layer of a forward plans its step (`begin`: blocks for the real new tokens in every group, all or
+    nothing), every layer writes and reads through its group's slot index (`index`), and the step is kept
+    (`commit`) once it is complete. Until then `rollback` restores the rows, their blocks and reference counts
+    exactly as they were (`PagedBatch.savepoint`), so a forward that fails at any layer leaves no trace.
+
+    Each layer counts the positions it has seen (`PagedLayer.length`): a layer whose count already includes
+    the step in progress is a new forward, so the step it finds was left by a failed one. A step is kept when
+    the forward that made it ends well (the model's forward hook calls `forward_ended`), when its last layer
+    has written it if no hook will report (a cache built from a config, a forward that skips the hook), or,
+    with `manual_commit`, only on `commit`. Until then readers see `committed` rows and `committed_length`,
+    the positions before it. A forward that raises is rolled back by the hook at once; a ``KeyboardInterrupt``,
+    which no hook sees, by the next change or by the next read on the thread it happened on
+    (`settle_failed_here`).
+
+    When a first forward's rows repeat each other (``generate`` repeats each prompt for
+    ``num_return_sequences`` and ``num_beams``), each distinct row is stored once and its repeats share its
+    blocks. Sliding-window groups keep only what their next queries can see, except while the batch's
+    `record_past` is set (transformers sets it before forwards it may `crop`): then steps keep every block and
+    `PagedBatch.truncate` trims.
+    """
+
+    def __init__(self, batch: PagedBatch, layers: Sequence[PagedLayer], manual_commit: bool):
+        self.batch = batch
+        self.layers = layers
+        self.manual_commit = manual_commit  # a complete step waits for `commit` or `settle`
+        self.step: Step | None = None  # the step in progress, if any
+        self.pending = PendingInputs()  # the next forward's padding mask, ids and positions
+
+    # ------------------------------------------------------------------ a forward's layers
+
+    def enter(self, layer: PagedLayer, batch_size: int, query_length: int, device: torch.device) -> Step:
+        """The step `layer`'s update belongs to: the one in progress, or a new one that it begins."""
+        step = self.step
+        if step is not None and layer.length == step.length:
+            self.drop_unfinished()  # this layer already did the step in progress: a new forward began
+            step = None
+        if step is None:
+            return self.begin(layer.length, batch_size, query_length, device, len(self.layers))
+        if layer.length != step.past_length:
+            raise RuntimeError(
+                f"layer {layer.layer_idx} has seen {layer.length} positions but the forward in progress runs from "
+                f"{step.past_length}: every layer of the model must update the cache once per forward"
+            )
+        if (batch_size, query_length) != (step.batch_size, step.query_length):
+            raise ValueError(
+                f"layer {layer.layer_idx} got {batch_size} rows x {query_length} tokens but this forward began "
+                f"with {step.batch_size} x {step.query_length}"
+            )
+        return step
+
+    def leave(self, layer: PagedLayer, step: Step) -> None:
+        """`layer` has written `step`; the last layer keeps it when no forward hook will report the end."""
+        layer.length = step.length
+        step.layers_done += 1
+        if step.complete and not (step.commit_at_end or self.manual_commit):
+            self.commit()
+
+    def forward_ended(self, failed: bool) -> None:
+        """Keep the step a forward made (unless `manual_commit`), or roll it back when the forward raised."""
+        step = self.step
+        if step is None:
+            self.pending.clear()  # the forward raised before its first layer
+        elif failed or not step.complete:
+            self.settle()
+        elif step.commit_at_end and not self.manual_commit:
+            self.commit()
+
+    # ------------------------------------------------------------------ the step's life
+
+    def begin(
+        self, past_length: int, batch_size: int, query_length: int, device: torch.device, num_layers: int
+    ) -> Step:
+        """Plan a forward of `batch_size` x `query_length` new tokens after `past_length` positions."""
+        with self.batch.lock:
+            return self._begin(past_length, batch_size, query_length, device, num_layers)
+
+    def _begin(
+        self, past_length: int, batch_size: int, query_length: int, device: torch.device, num_layers: int
+    ) -> Step:
+        batch = self.batch
+        undo = batch.savepoint()
+        rows = batch.batch_size
+        new_real, new_ids, positions, attention, hooked = self.pending.take(batch_size, query_length)  # [B, q]
+        sources = None  # per row, the first row it repeats (a first forward's repeated prompts)
+        if rows == 0 and past_length == 0:
+            sources = repeated_rows(new_ids, new_real, positions)
+            batch.is_real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        elif rows and batch_size != rows and batch_size % rows == 0:
+            # generate() expands input_ids (num_return_sequences, num_beams) but not a cache passed to it:
+            # k x B rows fed to a cache of B rows means each row repeated k times, sharing its blocks.
+            batch.select(torch.arange(rows).repeat_interleave(batch_size // rows))
+        elif batch_size != rows:
+            raise ValueError(
+                f"this cache holds {rows} sequences but the forward has batch size {batch_size}; call "
+                "batch_select_indices() or batch_repeat_interleave() to change the batch, or reset() it"
+            )
+        real = new_real if new_real is not None else torch.ones(batch_size, query_length, dtype=torch.bool)
+        is_real = torch.cat([batch.is_real.to(device), real.to(device)], dim=1)  # [B, L + q]
+        stored = batch.tables.num_tokens if rows else [0] * batch_size
+        token_ids = prefix_token_ids(stored, past_length, new_real, new_ids, positions)
+        kept = [None if batch.record_past else keep_from(is_real, window) for window in batch.windows]
+        try:
+            for group, tables in enumerate(batch.groups):
+                self._plan(group, tables, real.sum(dim=1).tolist(), token_ids, kept[group], sources)
+        except BaseException:
+            batch.restore(undo)
+            raise
+        step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, num_layers, sources,
+                    thread=threading.get_ident(), commit_at_end=hooked)
+        batch.is_real = is_real
+        # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
+        step.from_pool = attention in PAGED_ATTENTION_NAMES and not batch.pool.layout.latent
+        self.step = step
+        return step
+
+    def _plan(
+        self,
+        group: int,
+        tables: BlockTables,
+        new_tokens: list[int],
+        token_ids: list[list[int] | None] | None,
+        keep: list[int] | None,
+        sources: list[int] | None,
+    ) -> None:
+        """Take group `group`'s blocks for the step; a first step's repeated rows share their first row's."""
+        pool = self.batch.pool
+        if sources is None:
+            if not tables.batch_size:
+                tables.add_rows(len(new_tokens))
+            plan_group(tables, pool, group, new_tokens, token_ids, keep)
+            return
+        planned = sorted(set(sources))  # the rows that take blocks
+        tables.add_rows(len(planned))
+        plan_group(
+            tables,
+            pool,
+            group,
+            [new_tokens[r] for r in planned],
+            None if token_ids is None else [token_ids[r] for r in planned],
+            None if keep is None else [keep[r] for r in planned],
+        )
+        tables.select([planned.index(s) for s in sources])  # repeats share their first row's blocks
+
+    def index(self, group: int, device: torch.device) -> StepIndex:
+        """The step in progress's slot index for layer group `group` on `device`."""
+        return build_index(self.step, group, self.batch.groups[group], self.batch.is_real, device)
+
+    def commit(self) -> None:
+        """Keep the step in progress (every layer has written it), register the blocks it filled, and give
+        back the blocks that sliding windows no longer need.
+
+        Nothing to do when no step is in progress. Raises `RuntimeError` if the forward did not finish.
+        """
+        step = self.step
+        if step is None:
+            return
+        if not step.complete:
+            raise RuntimeError("the last forward on this cache did not finish: settle() it instead of commit()")
+        with self.batch.lock:
+            self.step = None
+            for tables in self.batch.groups:
+                tables.commit()
+
+    def rollback(self) -> int:
+        """Undo the step in progress: its blocks, copies and rows. Returns the length to go back to."""
+        with self.batch.lock:
+            step, self.step = self.step, None
+            self.batch.restore(step.undo)
+            return step.past_length
+
+    def settle(self) -> None:
+        """Roll back the step not committed, if any (complete or not), and the layers' lengths with it."""
+        with self.batch.lock:
+            if self.step is not None:
+                length = self.rollback()
+                for layer in self.layers:
+                    layer.length = length
+
+    def drop_unfinished(self) -> None:
+        """Before a change: roll back a step left over by a failed forward; refuse to drop a pending one."""
+        step = self.step
+        if step is not None and step.complete and self.manual_commit:
+            raise RuntimeError(
+                "this cache's last forward awaits commit() or settle() (manual_commit=True): call one of them "
+                "before changing the cache or running the next forward"
+            )
+        self.settle()
+
+    def settle_failed_here(self) -> None:
+        """Before a read: roll back a step left over by a failed forward on this thread; other threads' reads
+        change nothing."""
+        step = self.step
+        if step is not None and step.thread == threading.get_ident() and not (self.manual_commit and step.complete):
+            self.settle()
+
+    def reset(self) -> None:
+        """Forget the step in progress and the next forward's inputs, and give every row's blocks back (the
+        step's included)."""
+        with self.batch.lock:
+            self.step = None
+            self.batch.reset()
+            self.pending.clear()
+
+    # ------------------------------------------------------------------ what readers see
+
+    def committed(self) -> tuple[list[RowsView], torch.Tensor]:
+        """Each group's rows and the ``[B, L]`` padding mask as the last committed step left them.
+
+        Hold the batch's `lock` while using them: a commit may change the lists and give their blocks back.
+        """
+        step = self.step
+        if step is None:
+            return [tables.view() for tables in self.batch.groups], self.batch.is_real
+        size = self.batch.pool.block_size
+        return [savepoint.view(size) for savepoint in step.undo.tables], step.undo.is_real
+
+    def committed_length(self) -> int:
+        """Positions the last kept step left (call under the batch's `lock`)."""
+        step = self.step
+        return step.past_length if step is not None else self.layers[0].length
