@@ -1,4 +1,4 @@
-"""The Space demo (scripts/space/app.py): its request logic on a tiny model, then the page in a real browser.
+"""The Space demo (scripts/space/): its request logic on a tiny model, then the page in a real browser.
 
 The browser test drives Debian's Chromium (``/usr/bin/chromium``, or ``$CHROMIUM``) through Playwright; it is
 skipped, saying why, where either cannot be found. By default the app runs on a tiny random model (fast) and
@@ -48,11 +48,20 @@ CHROMIUM_ARGS = [
 REAL_MODEL = os.environ.get("HF_PAGED_CACHE_SPACE_REAL_MODEL") == "1"
 
 if str(SPACE_DIR) not in sys.path:
-    sys.path.insert(0, str(SPACE_DIR))  # app.py imports pool_view.py from beside it, as on a Space
+    sys.path.insert(0, str(SPACE_DIR))  # the Space's modules import each other from beside app.py, as on a Space
 _spec = importlib.util.spec_from_file_location("space_app", SPACE_DIR / "app.py")
 app = importlib.util.module_from_spec(_spec)
-sys.modules["space_app"] = app  # dataclasses look their module up while the class is built
+sys.modules["space_app"] = app
 _spec.loader.exec_module(app)
+import batch_tab  # noqa: E402
+import chat_tab  # noqa: E402
+import gradio as gr  # noqa: E402
+import layout  # noqa: E402
+import limits  # noqa: E402
+import plan_tab  # noqa: E402
+import prompts  # noqa: E402
+import shared_pools  # noqa: E402
+import waiting_line  # noqa: E402
 from pool_view import BlockKind, block_states, compare_memory  # noqa: E402
 
 BATCH = "Hi!\nWhat is the capital of France?\nGive three tips for learning a new language, one short sentence each."
@@ -68,12 +77,12 @@ def tiny():
 
 def test_shared_prefix_is_whole_blocks_and_leaves_each_row_a_token():
     rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 9, 9], [1, 2, 3, 4, 5, 6]]
-    assert app.shared_prefix_length(rows, 4) == 4  # 6 common, cut to whole blocks
-    assert app.shared_prefix_length(rows, 2) == 4  # 6 common but the shortest row keeps 1 token
-    assert app.shared_prefix_length(rows[:1], 2) == 0  # nothing to share with one row
+    assert prompts.shared_prefix_length(rows, 4) == 4  # 6 common, cut to whole blocks
+    assert prompts.shared_prefix_length(rows, 2) == 4  # 6 common but the shortest row keeps 1 token
+    assert prompts.shared_prefix_length(rows[:1], 2) == 0  # nothing to share with one row
     # rows of 9 and 5 tokens, 4 new tokens (3 stored), blocks of 4, 4 shared: 1 + ceil(8/4) + ceil(4/4)
-    assert app.blocks_needed([9, 5], 4, 4, shared=4) == 1 + 2 + 1
-    assert app.blocks_needed([9, 5], 4, 4, shared=0) == 3 + 2
+    assert prompts.blocks_needed([9, 5], 4, 4, shared=4) == 1 + 2 + 1
+    assert prompts.blocks_needed([9, 5], 4, 4, shared=0) == 3 + 2
 
 
 def test_compare_memory_formulas(tiny):
@@ -91,11 +100,11 @@ def test_compare_memory_formulas(tiny):
 
 def test_batch_shares_the_common_prefix_and_gives_every_block_back(tiny):
     model, tokenizer = tiny
-    pools = app.SharedPools(model, 64)
+    pools = shared_pools.SharedPools(model, 64)
     kwargs = dict(system_prompt="A system prompt long enough to fill a few blocks of eight characters.",
                   max_new_tokens=6, block_size=8, block_budget=63)
-    shared = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
-    private = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
+    shared = batch_tab.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
+    private = batch_tab.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
     assert shared.outputs == private.outputs  # sharing blocks changes memory, not tokens
     assert len(shared.outputs) == 3 and all(n == 6 for n in shared.new_tokens)
     assert len(set(shared.prompt_lengths)) == 3  # a ragged batch
@@ -115,39 +124,40 @@ def test_int8_pool_holds_more_blocks_in_the_same_bytes(tiny):
     """The Batch tab's int8 switch: a pool of the same bytes with about 3x the blocks (head dim 16: 20 bytes per
     vector against 64), the batch run from it, and the page saying how its keys and values are stored."""
     model, tokenizer = tiny
-    pools = app.SharedPools(model, 64, block_sizes=(8,))
+    pools = shared_pools.SharedPools(model, 64, block_sizes=(8,))
     full, small = pools.pool(8), pools.pool(8, "int8")
     assert small.num_blocks * small.bytes_per_block <= full.num_blocks * full.bytes_per_block
     assert small.num_blocks == full.num_blocks * 64 // 20
-    result = app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=6, block_size=8, block_budget=63,
+    result = batch_tab.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=6, block_size=8, block_budget=63,
                            kv_dtype="int8")
     assert len(result.outputs) == 3 and all(n == 6 for n in result.new_tokens)
     assert small.blocks.num_free == small.blocks.capacity and full.blocks.num_free == full.blocks.capacity
-    page = app.memory_markdown(result, small)
+    page = batch_tab.memory_markdown(result, small)
     assert "int8 with a float16 minimum and step per 32 elements of each token and head" in page and f"{small.blocks.capacity * 8:,} tokens" in page
-    with pytest.raises(app.InputError, match="can be stored as"):
+    with pytest.raises(limits.InputError, match="can be stored as"):
         pools.line(8, "float16")
 
 
 def _generate_each_row(model, tokenizer, system_prompt: str, prompts_text: str, max_new_tokens: int) -> tuple[str, ...]:
     """Each prompt alone through `generate` with a `DynamicCache`: no padding, no sharing (the reference)."""
     answers = []
-    for prompt in app.parse_prompts(prompts_text):
+    for prompt in batch_tab.parse_prompts(prompts_text):
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
-        ids = torch.tensor([app.prompt_ids(tokenizer, messages)])
+        ids = torch.tensor([prompts.prompt_ids(tokenizer, messages)])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=app.pad_token_id(tokenizer))
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=prompts.pad_token_id(tokenizer))
         answers.append(str(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)).strip())
     return tuple(answers)
 
 
 def test_sharing_the_prefix_keeps_the_answers_of_a_small_sliding_window():
     model, tokenizer = tiny_model("gemma3_text"), tiny_tokenizer()  # sliding window 12; layers sliding, sliding, full
-    pools = app.SharedPools(model, 64, block_sizes=(8,))
+    pools = shared_pools.SharedPools(model, 64, block_sizes=(8,))
     system = "A system prompt long enough to fill a few blocks of eight characters."
     kwargs = dict(system_prompt=system, max_new_tokens=8, block_size=8, block_budget=63)
-    shared = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
-    private = app.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
+    shared = batch_tab.run_batch(model, tokenizer, pools, BATCH, share_prefix=True, **kwargs)
+    private = batch_tab.run_batch(model, tokenizer, pools, BATCH, share_prefix=False, **kwargs)
     assert shared.shared_tokens >= 64  # the shared prefix is several windows (12 tokens) long
     assert len(set(shared.prompt_lengths)) == 3  # a ragged batch: the shorter rows are padded
     expected = _generate_each_row(model, tokenizer, system, BATCH, max_new_tokens=8)
@@ -175,8 +185,8 @@ def test_sharing_the_prefix_keeps_the_answers_of_a_small_sliding_window():
 def test_out_of_bounds_requests_get_clear_messages(tiny, change, message):
     model, tokenizer = tiny
     request = dict(prompts_text=BATCH, max_new_tokens=8, block_size=16, block_budget=40) | change
-    with pytest.raises(app.InputError, match=message):
-        app.run_batch(model, tokenizer, app.SharedPools(model, 41), **request)
+    with pytest.raises(limits.InputError, match=message):
+        batch_tab.run_batch(model, tokenizer, shared_pools.SharedPools(model, 41), **request)
 
 
 def _hold_most_of(pool, model) -> PagedCache:
@@ -188,7 +198,7 @@ def _hold_most_of(pool, model) -> PagedCache:
 
 def test_request_waits_while_another_session_holds_its_blocks(tiny):
     model, tokenizer = tiny
-    pools = app.SharedPools(model, 24)
+    pools = shared_pools.SharedPools(model, 24)
     pool = pools.pool(16)
     messages, waiting = [], threading.Event()
 
@@ -201,7 +211,7 @@ def test_request_waits_while_another_session_holds_its_blocks(tiny):
         with _hold_most_of(pool, model) as other:
             held = [list(t) for t in other.block_tables.tables]
             free_before = pool.blocks.num_free
-            batch = executor.submit(app.run_batch, model, tokenizer, pools, BATCH, **request)
+            batch = executor.submit(batch_tab.run_batch, model, tokenizer, pools, BATCH, **request)
             assert waiting.wait(30), "the request did not wait for the blocks"
             assert "Waiting for" in messages[0] and f"{free_before} of 23 free now" in messages[0]
             assert pool.blocks.num_free == free_before and other.block_tables.tables == held  # nothing taken
@@ -213,42 +223,42 @@ def test_request_waits_while_another_session_holds_its_blocks(tiny):
 
 def test_a_wait_that_runs_out_gets_the_pool_full_message_and_changes_nothing(tiny):
     model, tokenizer = tiny
-    pools = app.SharedPools(model, 24, max_wait_s=0.2)
+    pools = shared_pools.SharedPools(model, 24, max_wait_s=0.2)
     pool = pools.pool(16)
     with _hold_most_of(pool, model) as other:
         held = [list(t) for t in other.block_tables.tables]
         free_before = pool.blocks.num_free
         start = time.monotonic()
-        with pytest.raises(app.PoolFullError) as error:
-            app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
+        with pytest.raises(waiting_line.PoolFullError) as error:
+            batch_tab.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
         assert 0.2 <= time.monotonic() - start < 10
-        assert "pool is full" in app.pool_full_message(error.value) and "waited 0.2 s" in str(error.value)
+        assert "pool is full" in waiting_line.pool_full_message(error.value) and "waited 0.2 s" in str(error.value)
         assert pool.blocks.num_free == free_before
         assert other.block_tables.tables == held
         assert all(pool.blocks.refcount(b) == 1 for t in held for b in t)
         assert (pools.line(16).waiting, pools.line(16).reserved) == (0, 0)
-    result = app.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
+    result = batch_tab.run_batch(model, tokenizer, pools, BATCH, max_new_tokens=16, block_size=16, block_budget=23)
     assert len(result.outputs) == 3
 
 
 def test_chat_turn_reuses_the_previous_turns_blocks(tiny):
     model, tokenizer = tiny
-    line = app.SharedPools(model, 64, block_sizes=(16,)).line(16)
+    line = shared_pools.SharedPools(model, 64, block_sizes=(16,)).line(16)
     pool = line.pool
-    first = app.run_chat_turn(model, tokenizer, line, [], "Hello, how are you today?", max_new_tokens=8)
+    first = chat_tab.run_chat_turn(model, tokenizer, line, [], "Hello, how are you today?", max_new_tokens=8)
     history = [{"role": "user", "content": "Hello, how are you today?"}, {"role": "assistant", "content": first.answer}]
-    second = app.run_chat_turn(model, tokenizer, line, history, "Tell me more.", max_new_tokens=8)
+    second = chat_tab.run_chat_turn(model, tokenizer, line, history, "Tell me more.", max_new_tokens=8)
     assert first.reused_tokens == 0
     assert second.reused_tokens >= first.prompt_tokens // 16 * 16 > 0
     assert second.computed_tokens == second.prompt_tokens - second.reused_tokens
     assert pool.blocks.num_free == pool.blocks.capacity
-    with pytest.raises(app.InputError, match="Type a message"):
-        app.run_chat_turn(model, tokenizer, line, history, "   ")
+    with pytest.raises(limits.InputError, match="Type a message"):
+        chat_tab.run_chat_turn(model, tokenizer, line, history, "   ")
 
 
 def test_plan_tab_plans_the_demo_model_and_refuses_bad_inputs(tiny, monkeypatch):
     model, _ = tiny  # 2 layers, 2 KV heads of 16
-    text = app.run_plan(model, "tiny", batch_size=4, prompt_lengths="100", new_tokens=28, dtype="float32",
+    text = plan_tab.run_plan(model, "tiny", batch_size=4, prompt_lengths="100", new_tokens=28, dtype="float32",
                         block_size=16, max_memory="1MiB")
     per_token = 2 * 2 * 16 * 2 * 4  # layers x KV heads x head dim x (K + V) x float32
     assert f"| 2 | full attention | 2 x (16 + 16) | {per_token:,} B |" in text
@@ -256,7 +266,7 @@ def test_plan_tab_plans_the_demo_model_and_refuses_bad_inputs(tiny, monkeypatch)
     rows = (2**20 - weights) // (128 * per_token)  # 100 + 28 tokens per row, every cache alike here
     assert "| DynamicCache | 256 KiB |" in text  # 4 rows x 128 tokens x 512 B
     assert f"| {rows:,} | " in text and "Assumptions:" in text
-    ragged = app.run_plan(model, "tiny", batch_size=99, prompt_lengths="100, 7, 30", new_tokens=2)
+    ragged = plan_tab.run_plan(model, "tiny", batch_size=99, prompt_lengths="100, 7, 30", new_tokens=2)
     assert "3 rows: prompts of 100, 7, 30 tokens" in ragged  # a list sets the batch size
     monkeypatch.chdir(ROOT)  # where "tests/data" below names a folder
     for change, message in (
@@ -270,8 +280,8 @@ def test_plan_tab_plans_the_demo_model_and_refuses_bad_inputs(tiny, monkeypatch)
         (dict(hub_id="../secrets/x"), "local paths are not read"),
         (dict(hub_id="tests/data"), "local paths are not read"),  # shaped like a Hub id, but a local folder
     ):
-        with pytest.raises(app.InputError, match=message):
-            app.run_plan(model, "tiny", **change)
+        with pytest.raises(limits.InputError, match=message):
+            plan_tab.run_plan(model, "tiny", **change)
 
 
 # config.json files a Hub repository could hold, each beyond what any released model asks
@@ -305,8 +315,8 @@ def test_plan_tab_refuses_a_crafted_config_at_once(tiny, monkeypatch, config, me
     model, _ = tiny
     _serve_config(monkeypatch, config)
     start = time.perf_counter()
-    with pytest.raises(app.InputError, match=message) as error:
-        app.run_plan(model, "tiny", hub_id="someone/crafted")
+    with pytest.raises(limits.InputError, match=message) as error:
+        plan_tab.run_plan(model, "tiny", hub_id="someone/crafted")
     assert time.perf_counter() - start < 0.5  # no config object or meta model was built for it
     assert len(str(error.value)) < 300
 
@@ -315,7 +325,7 @@ def test_plan_tab_plans_a_405b_config_within_a_second(tiny, monkeypatch):
     model, _ = tiny
     _serve_config(monkeypatch, LLAMA_3_405B)
     start = time.perf_counter()
-    text = app.run_plan(model, "tiny", hub_id="meta-llama/Llama-3.1-405B", max_memory="1TiB")
+    text = plan_tab.run_plan(model, "tiny", hub_id="meta-llama/Llama-3.1-405B", max_memory="1TiB")
     assert time.perf_counter() - start < 1
     assert "| 126 | full attention | 8 x (128 + 128) | 516,096 B |" in text  # 126 x 8 x 256 x bf16
     assert "405,853,388,800 parameters" in text
@@ -332,28 +342,28 @@ def test_long_inputs_are_refused_before_tokenizing(tiny, monkeypatch):
     model, _ = tiny
     tokenizer = _NoTokenizer()
     huge = "x" * 10_000_000  # 10 MB: tokenizing it would take seconds
-    pools = app.SharedPools(model, 16, block_sizes=(16,))
+    pools = shared_pools.SharedPools(model, 16, block_sizes=(16,))
     line = pools.line(16)
-    monkeypatch.setattr(app, "load_config", None)  # the plan must not fetch a config for these either
-    monkeypatch.setattr(app, "plan_memory", None)
+    monkeypatch.setattr(plan_tab, "load_config", None)  # the plan must not fetch a config for these either
+    monkeypatch.setattr(plan_tab, "plan_memory", None)
     requests = [
-        (lambda: app.run_batch(model, tokenizer, pools, huge), "limit is 32,000"),
-        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", system_prompt=huge), "limit is 1,000"),
-        (lambda: app.run_batch(model, tokenizer, pools, "Hi!\n" + "y" * 2001), "limit is 2000"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, [], huge), "limit is 2,000"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, [], "Hi!", system_prompt=huge), "limit is 1,000"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, [{"role": "user", "content": "Hi"},
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, huge), "limit is 32,000"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, "Hi!", system_prompt=huge), "limit is 1,000"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, "Hi!\n" + "y" * 2001), "limit is 2000"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, [], huge), "limit is 2,000"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, [], "Hi!", system_prompt=huge), "limit is 1,000"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, [{"role": "user", "content": "Hi"},
                                                             {"role": "assistant", "content": huge}], "Hi!"),
          "limit is 16,384"),
-        (lambda: app.run_plan(model, "tiny", hub_id=huge), "limit is 200"),
-        (lambda: app.run_plan(model, "tiny", prompt_lengths=huge), "limit is 65,536"),
-        (lambda: app.run_plan(model, "tiny", max_memory=huge), "limit is 32"),
-        (lambda: app.run_plan(model, "tiny", dtype=huge), "dtype must be one of"),
-        (lambda: app.run_plan(model, "tiny", batch_size="9" * 10_000_000), "Batch size must be a number"),
+        (lambda: plan_tab.run_plan(model, "tiny", hub_id=huge), "limit is 200"),
+        (lambda: plan_tab.run_plan(model, "tiny", prompt_lengths=huge), "limit is 65,536"),
+        (lambda: plan_tab.run_plan(model, "tiny", max_memory=huge), "limit is 32"),
+        (lambda: plan_tab.run_plan(model, "tiny", dtype=huge), "dtype must be one of"),
+        (lambda: plan_tab.run_plan(model, "tiny", batch_size="9" * 10_000_000), "Batch size must be a number"),
     ]
     start = time.perf_counter()
     for request, message in requests:
-        with pytest.raises(app.InputError, match=message) as error:
+        with pytest.raises(limits.InputError, match=message) as error:
             request()
         assert len(str(error.value)) < 200  # the input is never echoed in full
     assert time.perf_counter() - start < 5  # was 9 s for one 10 MB system prompt
@@ -362,36 +372,37 @@ def test_long_inputs_are_refused_before_tokenizing(tiny, monkeypatch):
 
 def test_none_inputs_get_friendly_messages(tiny):
     model, tokenizer = tiny
-    pools = app.SharedPools(model, 64, block_sizes=(16,))
+    pools = shared_pools.SharedPools(model, 64, block_sizes=(16,))
     line = pools.line(16)
     for request, message in (
-        (lambda: app.run_batch(model, tokenizer, pools, None), "Enter at least one prompt"),
-        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", max_new_tokens=None), "max_new_tokens must be a"),
-        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", block_size=None), "Block size must be a number"),
-        (lambda: app.run_batch(model, tokenizer, pools, "Hi!", block_budget=None), "Block budget must be a"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, None, None), "Type a message first"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, [None], "Hi!"), "press Clear"),
-        (lambda: app.run_chat_turn(model, tokenizer, line, None, "Hi!", max_new_tokens=None), "max_new_tokens"),
-        (lambda: app.run_plan(model, "tiny", prompt_lengths=None), "Enter a prompt length"),
-        (lambda: app.run_plan(model, "tiny", batch_size=None), "Batch size must be a number"),
-        (lambda: app.run_plan(model, "tiny", new_tokens=None), "New tokens must be a number"),
-        (lambda: app.run_plan(model, "tiny", block_size=None), "Block size must be a number"),
-        (lambda: app.run_plan(model, "tiny", dtype=None), "dtype must be one of"),
-        (lambda: app.run_plan(model, "tiny", max_memory=None), "Enter the max memory"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, None), "Enter at least one prompt"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, "Hi!", max_new_tokens=None), "max_new_tokens must be a"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, "Hi!", block_size=None), "Block size must be a number"),
+        (lambda: batch_tab.run_batch(model, tokenizer, pools, "Hi!", block_budget=None), "Block budget must be a"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, None, None), "Type a message first"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, [None], "Hi!"), "press Clear"),
+        (lambda: chat_tab.run_chat_turn(model, tokenizer, line, None, "Hi!", max_new_tokens=None), "max_new_tokens"),
+        (lambda: plan_tab.run_plan(model, "tiny", prompt_lengths=None), "Enter a prompt length"),
+        (lambda: plan_tab.run_plan(model, "tiny", batch_size=None), "Batch size must be a number"),
+        (lambda: plan_tab.run_plan(model, "tiny", new_tokens=None), "New tokens must be a number"),
+        (lambda: plan_tab.run_plan(model, "tiny", block_size=None), "Block size must be a number"),
+        (lambda: plan_tab.run_plan(model, "tiny", dtype=None), "dtype must be one of"),
+        (lambda: plan_tab.run_plan(model, "tiny", max_memory=None), "Enter the max memory"),
     ):
-        with pytest.raises(app.InputError, match=message):
+        with pytest.raises(limits.InputError, match=message):
             request()
     # an empty optional text (None) is simply empty
-    assert app.run_batch(model, tokenizer, pools, "Hi!", system_prompt=None, max_new_tokens=2, block_budget=63).outputs
-    assert app.run_chat_turn(model, tokenizer, line, None, "Hi!", system_prompt=None, max_new_tokens=2).answer
-    assert "rows that fit" in app.run_plan(model, "tiny", hub_id=None)
+    assert batch_tab.run_batch(model, tokenizer, pools, "Hi!", system_prompt=None, max_new_tokens=2,
+                               block_budget=63).outputs
+    assert chat_tab.run_chat_turn(model, tokenizer, line, None, "Hi!", system_prompt=None, max_new_tokens=2).answer
+    assert "rows that fit" in plan_tab.run_plan(model, "tiny", hub_id=None)
     # the page's handlers: a message, not a stack trace
-    demo = app.build_app(model, tokenizer, pools=pools, model_name="tiny")
+    demo = layout.build_app(model, tokenizer, pools=pools, model_name="tiny")
     on_chat = next(f.fn for f in demo.fns.values() if f.name == "on_chat")
-    with pytest.raises(app.gr.Error, match="Type a message first"):
+    with pytest.raises(gr.Error, match="Type a message first"):
         on_chat(None, None, None, None, None)
     on_batch = next(f.fn for f in demo.fns.values() if f.name == "on_batch")
-    with pytest.raises(app.gr.Error, match="Enter at least one prompt"):
+    with pytest.raises(gr.Error, match="Enter at least one prompt"):
         on_batch(None, None, None, None, None, None)
 
 
@@ -400,13 +411,14 @@ ESCAPED = "&lt;img src=x onerror=alert(1)&gt;"
 
 
 def test_messages_shown_in_the_page_escape_html():
-    assert app.as_page_text(f"got {MARKUP!r} & more") == f"got &#x27;{ESCAPED}&#x27; &amp; more"
-    assert app.as_page_text(app.InputError("a <b>bold</b> claim")) == "a &lt;b&gt;bold&lt;/b&gt; claim"
+    assert limits.as_page_text(f"got {MARKUP!r} & more") == f"got &#x27;{ESCAPED}&#x27; &amp; more"
+    assert limits.as_page_text(limits.InputError("a <b>bold</b> claim")) == "a &lt;b&gt;bold&lt;/b&gt; claim"
 
 
 def test_error_toasts_built_from_user_input_show_html_as_text(tiny):
     model, tokenizer = tiny
-    demo = app.build_app(model, tokenizer, pools=app.SharedPools(model, 16, block_sizes=(16,)), model_name="tiny")
+    pools = shared_pools.SharedPools(model, 16, block_sizes=(16,))
+    demo = layout.build_app(model, tokenizer, pools=pools, model_name="tiny")
     handlers = {f.name: f.fn for f in demo.fns.values()}
     for name, call in (
         ("Hub id", lambda: handlers["on_plan"](MARKUP, 4, "100", 8, "float32", 16, "1GiB")),
@@ -415,7 +427,7 @@ def test_error_toasts_built_from_user_input_show_html_as_text(tiny):
         ("batch max_new_tokens", lambda: handlers["on_batch"]("Hi!", None, MARKUP, 16, 8, True)),
         ("chat max_new_tokens", lambda: handlers["on_chat"]("Hi!", [], [], None, MARKUP)),
     ):
-        with pytest.raises(app.gr.Error) as error:
+        with pytest.raises(gr.Error) as error:
             call()
         assert ESCAPED in error.value.message and "<img" not in error.value.message, name
 
@@ -432,20 +444,21 @@ def test_four_concurrent_requests_wait_their_turn_and_match_sequential_outputs(t
     def run_all(pools, on_wait=None):
         """Two chat turns and two batches on the pool of 16-token blocks, one request per thread."""
         with ThreadPoolExecutor(4) as executor:
-            chats = [executor.submit(app.run_chat_turn, model, tokenizer, pools.line(16), [], text, **chat,
+            chats = [executor.submit(chat_tab.run_chat_turn, model, tokenizer, pools.line(16), [], text, **chat,
                                      on_wait=on_wait) for text in CHATS]
-            batches = [executor.submit(app.run_batch, model, tokenizer, pools, text, **batch,
+            batches = [executor.submit(batch_tab.run_batch, model, tokenizer, pools, text, **batch,
                                        block_budget=pools.pool(16).blocks.capacity, on_wait=on_wait)
                        for text in BATCHES]
             return [f.result(timeout=60).answer for f in chats], [f.result(timeout=60).outputs for f in batches]
 
-    sequential = app.SharedPools(model, 64, block_sizes=(16,))
-    expected = ([app.run_chat_turn(model, tokenizer, sequential.line(16), [], text, **chat).answer for text in CHATS],
-                [app.run_batch(model, tokenizer, sequential, text, **batch, block_budget=63).outputs
+    sequential = shared_pools.SharedPools(model, 64, block_sizes=(16,))
+    line = sequential.line(16)
+    expected = ([chat_tab.run_chat_turn(model, tokenizer, line, [], text, **chat).answer for text in CHATS],
+                [batch_tab.run_batch(model, tokenizer, sequential, text, **batch, block_budget=63).outputs
                  for text in BATCHES])
 
     # 18 blocks: the batches need 13 and 10 at worst, the chat turns 5 and 4, so the batches never run together
-    pools = app.SharedPools(model, 19, block_sizes=(16,))
+    pools = shared_pools.SharedPools(model, 19, block_sizes=(16,))
     line, messages = pools.line(16), []
     with ThreadPoolExecutor(1) as starter, line.admit(line.pool.blocks.capacity):  # the pool taken, for now
         results = starter.submit(run_all, pools, messages.append)
@@ -460,20 +473,21 @@ def test_four_concurrent_requests_wait_their_turn_and_match_sequential_outputs(t
 
 def test_a_request_bigger_than_the_whole_pool_is_refused_at_once(tiny):
     model, tokenizer = tiny
-    line = app.SharedPools(model, 4, block_sizes=(16,)).line(16)  # 3 blocks of 16 tokens
+    line = shared_pools.SharedPools(model, 4, block_sizes=(16,)).line(16)  # 3 blocks of 16 tokens
     waits = []
     start = time.monotonic()
-    with pytest.raises(app.PoolFullError, match="more than the whole pool holds") as error:
-        app.run_chat_turn(model, tokenizer, line, [], "A message longer than the three blocks of this little pool.",
-                          max_new_tokens=8, on_wait=waits.append)
-    assert time.monotonic() - start < app.MAX_WAIT_S / 3 and not waits  # no waiting: it could never fit
-    assert "pool is full" in app.pool_full_message(error.value)
+    with pytest.raises(waiting_line.PoolFullError, match="more than the whole pool holds") as error:
+        chat_tab.run_chat_turn(model, tokenizer, line, [],
+                               "A message longer than the three blocks of this little pool.",
+                               max_new_tokens=8, on_wait=waits.append)
+    assert time.monotonic() - start < limits.MAX_WAIT_S / 3 and not waits  # no waiting: it could never fit
+    assert "pool is full" in waiting_line.pool_full_message(error.value)
     assert line.pool.blocks.num_free == line.pool.blocks.capacity and (line.waiting, line.reserved) == (0, 0)
 
 
 def test_the_waiting_line_is_bounded(tiny):
     model, _ = tiny
-    line = app.WaitingLine(app.SharedPools(model, 8, block_sizes=(16,)).pool(16), max_waiting=2)
+    line = waiting_line.WaitingLine(shared_pools.SharedPools(model, 8, block_sizes=(16,)).pool(16), max_waiting=2)
 
     def wait_for_one_block():
         with line.admit(1):
@@ -487,7 +501,7 @@ def test_the_waiting_line_is_bounded(tiny):
                 assert time.monotonic() < deadline, "the waiters did not queue"
                 time.sleep(0.01)
             start = time.monotonic()
-            with pytest.raises(app.PoolFullError, match="2 requests are already waiting"):
+            with pytest.raises(waiting_line.PoolFullError, match="2 requests are already waiting"):
                 with line.admit(1):
                     pass
             assert time.monotonic() - start < 5  # refused at once, not after a wait
@@ -497,7 +511,7 @@ def test_the_waiting_line_is_bounded(tiny):
 
 def test_gradio_queue_is_bounded(tiny):
     model, tokenizer = tiny
-    demo = app.build_app(model, tokenizer, pools=app.SharedPools(model, 8), concurrency=3, queue_size=5)
+    demo = layout.build_app(model, tokenizer, pools=shared_pools.SharedPools(model, 8), concurrency=3, queue_size=5)
     assert (demo._queue.max_size, demo._queue.default_concurrency_limit) == (5, 3)
     chat = [f for f in demo.fns.values() if f.name == "on_chat"]
     assert len(chat) == 2 and {(f.concurrency_id, f.concurrency_limit) for f in chat} == {("chat", 3)}
@@ -537,7 +551,7 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def served(browser, tiny) -> Iterator[tuple[str, app.SharedPools, PreTrainedModel]]:
+def served(browser, tiny) -> Iterator[tuple[str, shared_pools.SharedPools, PreTrainedModel]]:
     if REAL_MODEL:
         from hf_paged_cache.models.default_model import (
             DEFAULT_MODEL,
@@ -549,8 +563,8 @@ def served(browser, tiny) -> Iterator[tuple[str, app.SharedPools, PreTrainedMode
         (model, tokenizer), name = tiny, "tiny random Llama (test)"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-        pools = app.SharedPools(model, 128)
-        demo = app.build_app(model, tokenizer, pools=pools, model_name=name)
+        pools = shared_pools.SharedPools(model, 128)
+        demo = layout.build_app(model, tokenizer, pools=pools, model_name=name)
         port = _free_port()
         demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
         try:
@@ -579,9 +593,9 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     page.goto(url)
 
     # a ragged batch of 3 prompts
-    fill_once_mounted(page.locator("#batch-prompts textarea"), "\n".join(app.DEFAULT_PROMPTS), BATCH)
+    fill_once_mounted(page.locator("#batch-prompts textarea"), "\n".join(prompts.DEFAULT_PROMPTS), BATCH)
     if not REAL_MODEL:  # the tiny model reads 256 characters at most
-        fill_once_mounted(page.locator("#batch-system textarea"), app.DEFAULT_SYSTEM,
+        fill_once_mounted(page.locator("#batch-system textarea"), prompts.DEFAULT_SYSTEM,
                           "Be brief and kind; answer in one sentence.")
     page.locator("#run-batch").click()
     rows = page.locator("#batch-outputs tr.batch-row")
@@ -633,10 +647,10 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     other_page = browser.new_page()
     other_page.set_default_timeout(60_000)
     other_page.goto(url)
-    fill_once_mounted(other_page.locator("#batch-prompts textarea"), "\n".join(app.DEFAULT_PROMPTS),
+    fill_once_mounted(other_page.locator("#batch-prompts textarea"), "\n".join(prompts.DEFAULT_PROMPTS),
                       "Name a colour.\nName a fruit.")
     if not REAL_MODEL:
-        fill_once_mounted(other_page.locator("#batch-system textarea"), app.DEFAULT_SYSTEM, "Be brief.")
+        fill_once_mounted(other_page.locator("#batch-system textarea"), prompts.DEFAULT_SYSTEM, "Be brief.")
     page.locator("#batch-prompts textarea").fill(BATCH + "\nName a planet.")
     other_page.locator("#run-batch").click()
     page.locator("#run-batch").click()
@@ -650,7 +664,7 @@ def test_browser_batch_pool_picture_memory_and_chat(browser, served, tmp_path):
     # chat: the second turn reuses the first turn's blocks
     page.get_by_role("tab", name="Chat").click()
     # a short system prompt keeps the tiny model's 256-token context enough (the default one would not)
-    fill_once_mounted(page.locator("#chat-system textarea"), app.DEFAULT_SYSTEM, "Be brief.")
+    fill_once_mounted(page.locator("#chat-system textarea"), prompts.DEFAULT_SYSTEM, "Be brief.")
     for turn, message in enumerate(("Hello! What is a KV cache?", "Why split it into blocks?"), start=1):
         fill_once_mounted(page.locator("#chat-input textarea"), "", message)
         page.locator("#chat-send").click()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from transformers import PreTrainedConfig
@@ -241,33 +242,7 @@ def draw_pool_grid(snapshot: PoolSnapshot, *, columns: int = 32, title: str | No
     fig = Figure(figsize=(width, height), dpi=110)
     ax = fig.add_axes((0.2 / width, legend_h / height, 10.6 / width, grid_h / height))
     for block, state in enumerate(states):
-        x, y = block % columns, -(block // columns)
-        edge, hatch, line_width = "white", None, 0.6
-        if state.kind is BlockKind.ROW:
-            color = ROW_COLORS[state.rows[0] % len(ROW_COLORS)]
-            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=_lighten(color), edgecolor="white", linewidth=0.6))
-            fill = state.tokens / snapshot.block_size
-            ax.add_patch(Rectangle((x, y), 1, fill, facecolor=color, edgecolor="none"))
-            ax.add_patch(Rectangle((x, y), 1, 1, facecolor="none", edgecolor="white", linewidth=0.6))
-            ax.text(x + 0.5, y + 0.5, str(state.rows[0] + 1), ha="center", va="center", fontsize=7.5,
-                    color="white" if fill >= 0.5 else "black", fontweight="bold")
-            continue
-        if state.kind is BlockKind.SHARED:
-            color, edge, hatch, line_width = SHARED_COLOR, "black", "////", 1.2
-        elif state.kind is BlockKind.OTHER:
-            color = OTHER_COLOR
-        elif state.kind is BlockKind.CACHED:
-            color = CACHED_COLOR
-        elif state.kind is BlockKind.NULL:
-            color = NULL_COLOR
-        else:
-            color = FREE_COLOR
-        ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, facecolor=color, edgecolor=edge, hatch=hatch,
-                               linewidth=line_width))
-        if state.kind is BlockKind.SHARED:
-            ax.text(x + 0.5, y + 0.5, f"×{state.refcount}", ha="center", va="center", fontsize=7.5,
-                    fontweight="bold", color="black",
-                    bbox={"boxstyle": "round,pad=0.1", "facecolor": SHARED_COLOR, "edgecolor": "none"})
+        _draw_block(ax, block % columns, -(block // columns), state, snapshot.block_size)
     ax.set_xlim(0, columns)
     ax.set_ylim(-lines + 1, 1)
     ax.axis("off")
@@ -280,6 +255,37 @@ def draw_pool_grid(snapshot: PoolSnapshot, *, columns: int = 32, title: str | No
         fontsize=10, y=1 - 0.08 / height, va="top",
     )
     return fig
+
+
+def _draw_block(ax: Axes, x: int, y: int, state: BlockState, block_size: int) -> None:
+    """One block of the grid at ``(x, y)``: a row's colour filled to its share of tokens, or the colour of
+    its kind (shared blocks hatched and labelled with their holder count)."""
+    edge, hatch, line_width = "white", None, 0.6
+    if state.kind is BlockKind.ROW:
+        color = ROW_COLORS[state.rows[0] % len(ROW_COLORS)]
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=_lighten(color), edgecolor="white", linewidth=0.6))
+        fill = state.tokens / block_size
+        ax.add_patch(Rectangle((x, y), 1, fill, facecolor=color, edgecolor="none"))
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor="none", edgecolor="white", linewidth=0.6))
+        ax.text(x + 0.5, y + 0.5, str(state.rows[0] + 1), ha="center", va="center", fontsize=7.5,
+                color="white" if fill >= 0.5 else "black", fontweight="bold")
+        return
+    if state.kind is BlockKind.SHARED:
+        color, edge, hatch, line_width = SHARED_COLOR, "black", "////", 1.2
+    elif state.kind is BlockKind.OTHER:
+        color = OTHER_COLOR
+    elif state.kind is BlockKind.CACHED:
+        color = CACHED_COLOR
+    elif state.kind is BlockKind.NULL:
+        color = NULL_COLOR
+    else:
+        color = FREE_COLOR
+    ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, facecolor=color, edgecolor=edge, hatch=hatch,
+                           linewidth=line_width))
+    if state.kind is BlockKind.SHARED:
+        ax.text(x + 0.5, y + 0.5, f"×{state.refcount}", ha="center", va="center", fontsize=7.5,
+                fontweight="bold", color="black",
+                bbox={"boxstyle": "round,pad=0.1", "facecolor": SHARED_COLOR, "edgecolor": "none"})
 
 
 def draw_memory_chart(rows: Sequence[MemoryRow]) -> Figure:
