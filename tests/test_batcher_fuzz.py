@@ -191,7 +191,7 @@ def check_step(batcher, nan_blocks: NaNBlocks) -> None:
 
 def check_prefix_index(batcher, nan_blocks: NaNBlocks) -> None:
     for group, blocks in enumerate(batcher.pool.groups):
-        for block in list(blocks._cached):
+        for block in list(blocks._index.cached):
             assert nan_blocks.written(group, block), f"group {group}: block {block} is findable by prefix unwritten"
 
 

@@ -2,49 +2,27 @@
 
 Pure Python, no torch: the allocator only hands out integers. The tensors those integers index live in
 `kv_pool.KVPool`. A pool is fixed-size, capped (grows up to `max_blocks`) or elastic (grows without a cap).
+Which blocks can be found again by prefix is kept by a `PrefixIndex` (`prefix_index`, whose `hash_block`,
+`block_keys` and `PrefixCacheStats` this module re-exports).
 """
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import threading
-import weakref
-from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 
-from .free_blocks import FreeBlocks, Reuse
+from .free_blocks import FreeBlocks
+from .listeners import Listeners
+from .prefix_index import PrefixCacheStats, PrefixIndex, block_keys, hash_block
+
+__all__ = [
+    "FIXED", "NULL_BLOCK", "BlockPool", "PrefixCacheStats", "as_count", "block_keys", "hash_block",
+]
 
 NULL_BLOCK = 0
 """Block 0 is never handed out. Padding in a block table points at it, so every gather reads valid memory
 (its contents are kept at zero)."""
-
-
-def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Key of a full block: a hash chained over the block's tokens and (through `parent`) all earlier ones.
-
-    `blake2b` rather than `hash()`: Python salts `hash()` per process, so its keys would differ between
-    runs and processes; blake2b's do not, and 128 bits make accidental collisions negligible (a hit is
-    still confirmed by comparing tokens).
-    """
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-def block_keys(tokens: Sequence[int], block_size: int, root: bytes = b"") -> Iterator[bytes]:
-    """The chained keys (`hash_block`, from `root`) of every full block of `tokens`, in order."""
-    parent = root
-    for start in range(0, len(tokens) // block_size * block_size, block_size):
-        parent = hash_block(parent, tokens[start : start + block_size])
-        yield parent
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    hits: int  # full blocks found by prefix and held (`hold_cached`)
-    misses: int  # full blocks looked up and not found
-    evictions: int  # cached blocks whose contents were given up to make room
-    cached_blocks: int  # blocks currently findable by their prefix (held or free)
 
 
 def as_count(name: str, value: object, minimum: int, hint: str = "") -> int:
@@ -108,12 +86,12 @@ class BlockPool:
     held now and ``num_free = capacity - num_used`` (for a capped pool, this includes the room left to grow).
     `can_allocate(n)` is ``n <= num_free``, always True for an elastic pool.
 
-    Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block
-    that nobody holds stays in the free list with its contents and its key, so `match_prefix` can take it
-    back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an
-    eviction). A block taken back that way is *reused*: freed again, it is evicted after the cached blocks
-    nobody reused (up to half the capacity of such blocks, see `FreeBlocks`), so a prefix many requests share
-    outlives a burst of one-off prompts.
+    Prefix caching: a full block can be registered under `hash_block` of its tokens (a `PrefixIndex` keeps
+    them). A registered block that nobody holds stays in the free list with its contents and its key, so
+    `match_prefix` can take it back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands
+    it out again (an eviction). A block taken back that way is *reused*: freed again, it is evicted after the
+    cached blocks nobody reused (up to half the capacity of such blocks, see `FreeBlocks`), so a prefix many
+    requests share outlives a burst of one-off prompts.
 
     Thread safety: `_lock` guards the id space, the free list, the reference counts, the prefix index and the
     counters together, so concurrent caches on one pool never receive the same block, never double-free one
@@ -151,12 +129,9 @@ class BlockPool:
         # Holders of each block ever handed out; its length is the next never-used id. The null block stays 0.
         self._refcounts = [0]
         self._free = FreeBlocks()  # recycled blocks (refcount 0), in eviction order
-        self._by_hash: dict[bytes, int] = {}  # prefix key -> the block holding those tokens
-        self._cached: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (its key, its tokens)
-        self._reused: set[int] = set()  # cached blocks taken back by a prefix hit since they were cached
-        self._hits = self._misses = self._evictions = 0
+        self._index = PrefixIndex()  # registered full blocks by key, and the prefix hit counters
         self._grows = 0
-        self._listeners: list[weakref.WeakMethod | Callable[[], None]] = []  # called when blocks are freed
+        self._free_listeners = Listeners()  # called when blocks are freed
 
     @property
     def num_blocks(self) -> int:
@@ -254,10 +229,7 @@ class BlockPool:
             block_id = self._free.pop()
             block_ids.append(block_id)
             self._refcounts[block_id] = 1
-            if block_id in self._cached:  # its old contents are about to be overwritten
-                del self._by_hash[self._cached.pop(block_id)[0]]
-                self._reused.discard(block_id)
-                self._evictions += 1
+            self._index.evict(block_id)  # its old contents are about to be overwritten
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -279,13 +251,10 @@ class BlockPool:
                 self._check_held(block_id)
                 self._refcounts[block_id] -= 1
                 if self._refcounts[block_id] == 0:
-                    self._free.add(block_id, self._reuse_of(block_id), self.capacity // 2)
+                    self._free.add(block_id, self._index.reuse_of(block_id), self.capacity // 2)
                     freed = True
-            listeners = list(self._listeners) if freed else []
-        for listener in listeners:
-            callback = listener() if isinstance(listener, weakref.WeakMethod) else listener
-            if callback is not None:
-                callback()
+        if freed:
+            self._free_listeners.call()
 
     def add_free_listener(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback()` whenever blocks go back to the free list; returns a function that removes it.
@@ -293,17 +262,7 @@ class BlockPool:
         A bound method is held weakly (it goes away with its object), anything else strongly. It runs on the
         freeing thread, outside the pool's lock: keep it short (waking a thread, say).
         """
-        entry = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else callback
-
-        def remove() -> None:
-            with self._lock:
-                if entry in self._listeners:
-                    self._listeners.remove(entry)
-
-        with self._lock:
-            self._listeners = [e for e in self._listeners if not (isinstance(e, weakref.WeakMethod) and e() is None)]
-            self._listeners.append(entry)
-        return remove
+        return self._free_listeners.add(callback)
 
     def refcount(self, block_id: int) -> int:
         """Holders of `block_id` (0 when free); `IndexError` outside ``0 .. num_blocks - 1``."""
@@ -316,13 +275,11 @@ class BlockPool:
         """Make a held, full block findable by `block_hash` (first registration of a key wins)."""
         with self._lock:
             self._check_held(block_id)
-            if block_hash not in self._by_hash and block_id not in self._cached:
-                self._by_hash[block_hash] = block_id
-                self._cached[block_id] = (block_hash, tuple(tokens))
+            self._index.register(block_id, block_hash, tokens)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the block's contents are findable by prefix (so they must not be overwritten in place)."""
-        return block_id in self._cached
+        return self._index.is_cached(block_id)
 
     def lookup_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[tuple[int, bytes] | None]:
         """For each of the first `max_blocks` full blocks of `tokens`: ``(block, key)`` if cached, else None.
@@ -338,9 +295,8 @@ class BlockPool:
             for start in range(0, min(len(tokens) // size, max_blocks) * size, size):
                 chunk = tuple(tokens[start : start + size])
                 parent = hash_block(parent, chunk)
-                block_id = self._by_hash.get(parent)
-                hit = block_id is not None and self._cached[block_id][1] == chunk
-                found.append((block_id, parent) if hit else None)
+                block_id = self._index.find(parent, chunk)
+                found.append((block_id, parent) if block_id is not None else None)
         return found
 
     def hold_cached(self, blocks: Sequence[tuple[int, bytes]], looked_up: int = 0) -> bool:
@@ -350,15 +306,13 @@ class BlockPool:
         is how many blocks the caller looked for (for `prefix_stats`: the rest count as misses).
         """
         with self._lock:
-            if any(self._by_hash.get(key) != block_id for block_id, key in blocks):
+            if not all(self._index.holds(block_id, key) for block_id, key in blocks):
                 return False  # evicted since the lookup
             for block_id, _ in blocks:
                 if self._refcounts[block_id] == 0:
                     self._free.remove(block_id)
                 self._refcounts[block_id] += 1
-                self._reused.add(block_id)
-            self._hits += len(blocks)
-            self._misses += max(looked_up - len(blocks), 0)
+            self._index.taken_back([block_id for block_id, _ in blocks], looked_up)
             return True
 
     def match_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[int]:
@@ -375,17 +329,10 @@ class BlockPool:
     def cached_keys(self, limit: int) -> list[bytes]:
         """The keys of the (at most) `limit` blocks most recently made findable by prefix, oldest first."""
         with self._lock:
-            keys = list(self._by_hash)  # registration order: an evicted key registered again moves last
-        return keys[-limit:] if limit > 0 else []
+            return self._index.recent_keys(limit)
 
     def prefix_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._hits, self._misses, self._evictions, len(self._cached))
-
-    def _reuse_of(self, block_id: int) -> Reuse:
-        """The free-list segment of a block just freed (see `FreeBlocks`)."""
-        if block_id in self._reused:
-            return Reuse.REUSED
-        return Reuse.CACHED if block_id in self._cached else Reuse.EMPTY
+        return self._index.stats()
 
     def _check_held(self, block_id: int) -> None:
         if not NULL_BLOCK < block_id < len(self._refcounts) or self._refcounts[block_id] < 1:
