@@ -574,11 +574,13 @@ def test_bench_serving(serving_result: dict[str, Any], tiny_dir: str) -> None:
     assert results["budget_bytes"] == (3 * math.ceil((24 + 6) / 4) + 1) * 4 * per_token
 
 
-def test_bench_model_dtype(tiny_dir: str, results_dir: Path) -> None:
-    args = ["--model", tiny_dir, "--dtypes", "float32,bfloat16", "--num-requests", "4", "--max-prompt", "24",
-            "--max-new", "6", "--output-scale", "0.05", "--repeats", "2", "--budget", "1MiB"]
-    results = run_script("bench_model_dtype", args, results_dir / "bench_model_dtype.json")
-    full, half = results["dtypes"]["float32"], results["dtypes"]["bfloat16"]
+def test_bench_serving_compares_model_dtypes(tiny_dir: str, results_dir: Path) -> None:
+    args = ["--model", tiny_dir, "--dtypes", "float32,bfloat16", "--packed-linears", "--contenders", "batcher",
+            "--num-requests", "4", "--max-prompt", "24", "--max-new", "6", "--output-scale", "0.05", "--repeats", "2",
+            "--budget", "1MiB", "--batch-size", "2", "--skip-check"]
+    results = run_script("bench_serving", args, results_dir / "bench_serving_model_dtype.json")
+    assert set(results["contenders"]) == {"batcher@float32", "batcher@bfloat16"}
+    full, half = results["contenders"]["batcher@float32"], results["contenders"]["batcher@bfloat16"]
     assert (full["dtype"], half["dtype"]) == ("float32", "bfloat16")
     assert full["ratio_per_round"] == [1.0, 1.0] and len(half["ratio_per_round"]) == 2
     assert full["requests_identical_to_reference"] == 4 and full["mean_first_difference"] is None

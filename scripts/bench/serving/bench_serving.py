@@ -29,11 +29,23 @@ first ``--batch-size`` requests: output tokens/s = ``sum(o_i) / wall seconds`` (
 to first token (TTFT) from time 0, p50 and p95 over requests. Every contender's tokens are checked against
 greedy ``generate`` with ``DynamicCache`` on each request alone (``tokens identical``).
 
-Commands (the numbers and chart in docs/benchmarks.md; the second: 16 requests at once against one ``generate`` batch)::
+The model's dtype (``--dtypes float32,bfloat16``, the first the reference): one model is loaded per dtype and
+every contender runs on each (named ``contender@dtype``), all alternated in the same rounds. Each is then also
+compared with the same contender on the reference dtype: per round the ratio of tokens/s and its median, the
+requests whose tokens are all the reference's, and the mean position of the first different token among the
+others (reduced precision follows its own rounding at near-ties; see `tests/test_model_dtype.py` for the
+logits). ``--packed-linears`` multiplies through oneDNN-packed weights (``pack_linears``, as the server does on
+a CPU) on every model alike.
+
+Commands (the numbers and chart in docs/benchmarks.md; the second: 16 requests at once against one ``generate``
+batch; the third: float32 against bfloat16 on the batcher)::
 
     python scripts/bench/serving/bench_serving.py --threads 2 --out results/bench_serving.json
     python scripts/bench/serving/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \
         --max-prompt 250 --min-new 32 --max-new 93 --contenders dynamic,batcher --out results/bench_serving_16.json
+    python scripts/bench/serving/bench_serving.py --threads 2 --dtypes float32,bfloat16 --packed-linears \
+        --contenders batcher --num-requests 32 --budget 1GiB --repeats 3 --skip-check \
+        --out results/bench_serving_model_dtype.json
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import (
     ContinuousBatcher,
@@ -61,7 +73,6 @@ from hf_paged_cache.bench import (
     in_fresh_thread,
     kv_bytes_per_token,
     left_pad,
-    load,
     mib,
     percentile,
     prompt_token_range,
@@ -69,13 +80,21 @@ from hf_paged_cache.bench import (
     uniform_workload,
     write_json,
 )
+from hf_paged_cache.kernels import pack_linears
+from hf_paged_cache.models import DTYPE_CHOICES, load_model_and_tokenizer, resolve_dtype
 
 CONTENDERS = ("dynamic", "paged", "generate_batch", "batcher", "batcher_unpacked")
 WORKLOADS = ("sharegpt", "uniform")
+MODES = (
+    "Two comparisons on one workload. The caches and engines (--contenders): static generate batches with "
+    "DynamicCache or PagedCache, transformers' generate_batch, and our ContinuousBatcher packed or unpacked, each "
+    "checked against greedy generate. The model's dtype (--dtypes float32,bfloat16): every contender on each "
+    "dtype, each against itself on the first dtype (tokens/s ratio per round, requests with the same tokens)."
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=MODES)
     add_common_args(parser, out="results/bench_serving.json")
     add_workload_args(parser, num_requests=64)
     parser.add_argument("--workload", choices=WORKLOADS, default=WORKLOADS[0],
@@ -89,7 +108,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated (default: all of {','.join(CONTENDERS)})")
     parser.add_argument("--skip-check", action="store_true", help="do not run each request alone for the check")
-    return parser.parse_args(argv)
+    parser.add_argument("--dtypes", default=None,
+                        help=f"model dtypes to compare, comma-separated, the first the reference, from "
+                        f"{','.join(DTYPE_CHOICES)}; every contender runs on each (default: --dtype alone)")
+    parser.add_argument("--packed-linears", action="store_true",
+                        help="multiply through oneDNN-packed weights (pack_linears, as the server does on a CPU) "
+                        "on every model alike (without it: the stock kernels)")
+    args = parser.parse_args(argv)
+    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {CONTENDERS}")
+    args.dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
+    for name in args.dtypes:
+        if name not in DTYPE_CHOICES:
+            parser.error(f"unknown dtype {name!r}; choose from {DTYPE_CHOICES}")
+    return args
 
 
 def run_static(model: PreTrainedModel, prompts: list[list[int]], outputs: list[int], args: argparse.Namespace,
@@ -185,52 +219,71 @@ def reference(model: PreTrainedModel, prompts: list[list[int]], outputs: list[in
     return tokens
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    model, tokenizer = load(args)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = sorted(set(contenders) - set(CONTENDERS))
-    if unknown:
-        raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
+def load_models(args: argparse.Namespace) -> tuple[dict[str, PreTrainedModel], PreTrainedTokenizerBase]:
+    """One model per ``--dtypes`` name (``--dtype`` alone by default), packed with ``--packed-linears``."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    models = {}
+    for name in args.dtypes:  # "auto" resolves on this machine
+        models[name], tokenizer = load_model_and_tokenizer(args.model, device=args.device,
+                                                           dtype=resolve_dtype(name, args.device))
+        if args.packed_linears:
+            pack_linears(models[name])
+    return models, tokenizer
+
+
+def requests(args: argparse.Namespace, model: PreTrainedModel,
+             tokenizer: PreTrainedTokenizerBase) -> tuple[list[list[int]], list[int]]:
+    """The prompts of ``--workload`` and each request's output length."""
     token_range = prompt_token_range(model, tokenizer)
     if args.workload == "uniform":
         workload = uniform_workload(args.num_requests, seed=args.seed, prompt_lens=(args.min_prompt, args.max_prompt),
                                     output_lens=(args.min_new, args.max_new), token_range=token_range)
-        outputs = workload.output_lens
-    else:
-        workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
-                                     max_output=10**6, token_range=token_range)
-        outputs = workload.scaled_output_lens(args.output_scale, args.max_new)
-    prompts = workload.prompts()
+        return workload.prompts(), workload.output_lens
+    workload = sharegpt_workload(args.num_requests, seed=args.seed, max_prompt=args.max_prompt,
+                                 max_output=10**6, token_range=token_range)
+    return workload.prompts(), workload.scaled_output_lens(args.output_scale, args.max_new)
+
+
+def run_contender(name: str, model: PreTrainedModel, prompts: list[list[int]], outputs: list[int],
+                  args: argparse.Namespace, pad_id: int, budget: int, stock_attention: str) -> dict[str, Any]:
+    """One run of contender `name` on `model` (whose own attention is `stock_attention`)."""
+    if name == "dynamic":
+        model.set_attn_implementation(stock_attention)
+        return run_static(model, prompts, outputs, args, pad_id, paged=False, budget=budget)
+    set_paged_attention(model)
+    if name == "paged":
+        return run_static(model, prompts, outputs, args, pad_id, paged=True, budget=budget)
+    if name == "generate_batch":
+        model.set_attn_implementation(stock_attention)  # its own paged attention needs a stock backend
+        return run_generate_batch(model, prompts, outputs, args, budget)
+    return run_batcher(model, prompts, outputs, args, budget, pack_steps=name == "batcher")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    models, tokenizer = load_models(args)
+    model = models[args.dtypes[0]]  # the reference
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts, outputs = requests(args, model, tokenizer)
     per_token = kv_bytes_per_token(model.config, model.dtype)
     row_blocks = -(-(args.max_prompt + args.max_new) // args.block_size)  # a row's blocks at most
     budget = parse_memory(args.budget) if args.budget else (args.batch_size * row_blocks + 1) * args.block_size * per_token
-    original_attention = model.config._attn_implementation
+    stock = {dtype: m.config._attn_implementation for dtype, m in models.items()}
+    several = len(models) > 1
+    pairs = {(f"{c}@{d}" if several else c): (c, d) for d in args.dtypes for c in args.contenders}
 
-    def run(name: str, count: int) -> dict[str, Any]:
-        return in_fresh_thread(run_contender, name, count)
+    def run(key: str, count: int) -> dict[str, Any]:
+        contender, dtype = pairs[key]
+        return in_fresh_thread(run_contender, contender, models[dtype], prompts[:count], outputs[:count], args,
+                               pad_id, budget, stock[dtype])
 
-    def run_contender(name: str, count: int) -> dict[str, Any]:
-        p, o = prompts[:count], outputs[:count]
-        if name == "dynamic":
-            model.set_attn_implementation(original_attention)
-            return run_static(model, p, o, args, pad_id, paged=False, budget=budget)
-        set_paged_attention(model)
-        if name == "paged":
-            return run_static(model, p, o, args, pad_id, paged=True, budget=budget)
-        if name == "generate_batch":
-            model.set_attn_implementation(original_attention)  # its own paged attention needs a stock backend
-            return run_generate_batch(model, p, o, args, budget)
-        return run_batcher(model, p, o, args, budget, pack_steps=name == "batcher")
-
-    for name in contenders:  # warm-up round, untimed
-        run(name, args.batch_size)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-    plan = [(r, name) for r in range(args.repeats) for name in contenders]
-    for _, name in tqdm(plan, desc="rounds", unit="run"):
-        runs[name].append(run(name, len(prompts)))
-    model.set_attn_implementation(original_attention)
+    for key in pairs:  # warm-up round, untimed
+        run(key, args.batch_size)
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in pairs}
+    for _, key in tqdm([(r, key) for r in range(args.repeats) for key in pairs], desc="rounds", unit="run"):
+        runs[key].append(run(key, len(prompts)))
+    model.set_attn_implementation(stock[args.dtypes[0]])
     expected = None if args.skip_check else reference(model, prompts, outputs)
 
     useful = sum(outputs)
@@ -238,35 +291,76 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "serving", "model": args.model, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
         "workload": args.workload, "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens": useful, "prompt_lens": [len(p) for p in prompts], "output_lens": outputs,
-        "budget_bytes": budget, "batch_size": args.batch_size, "contenders": {},
+        "budget_bytes": budget, "batch_size": args.batch_size, "dtypes": args.dtypes,
+        "packed_linears": args.packed_linears, "contenders": {},
     }
-    for name, rounds in runs.items():
-        throughput = [useful / r["seconds"] for r in rounds]
-        ttft = [percentile(r["ttft"], 0.5) for r in rounds], [percentile(r["ttft"], 0.95) for r in rounds]
-        results["contenders"][name] = {
-            "tokens_per_s": statistics.median(throughput), "tokens_per_s_range": [min(throughput), max(throughput)],
-            "ttft_p50_s": statistics.median(ttft[0]), "ttft_p95_s": statistics.median(ttft[1]),
-            "seconds": [r["seconds"] for r in rounds],
-            "tokens_identical": None if expected is None else all(r["tokens"] == expected for r in rounds),
-            "preemptions": [r.get("preemptions") for r in rounds],
-            "packed_steps": [r.get("packed_steps") for r in rounds],
-        }
+    for key, rounds in runs.items():
+        results["contenders"][key] = summarize(rounds, useful, expected)
+        if several:
+            contender, dtype = pairs[key]
+            reference_key = f"{contender}@{args.dtypes[0]}"
+            results["contenders"][key] |= {"dtype": str(models[dtype].dtype).removeprefix("torch."),
+                                           **against_reference(rounds, runs[reference_key], useful)}
     write_json(args.out, results, model.device)
     print_report(results)
     return results
 
 
+def summarize(rounds: list[dict[str, Any]], useful: int, expected: list[list[int]] | None) -> dict[str, Any]:
+    """One contender's rounds: tokens/s and TTFT medians, and whether its tokens are greedy `generate`'s."""
+    throughput = [useful / r["seconds"] for r in rounds]
+    ttft = [percentile(r["ttft"], 0.5) for r in rounds], [percentile(r["ttft"], 0.95) for r in rounds]
+    return {
+        "tokens_per_s": statistics.median(throughput), "tokens_per_s_range": [min(throughput), max(throughput)],
+        "ttft_p50_s": statistics.median(ttft[0]), "ttft_p95_s": statistics.median(ttft[1]),
+        "seconds": [r["seconds"] for r in rounds],
+        "tokens_identical": None if expected is None else all(r["tokens"] == expected for r in rounds),
+        "preemptions": [r.get("preemptions") for r in rounds],
+        "packed_steps": [r.get("packed_steps") for r in rounds],
+    }
+
+
+def against_reference(rounds: list[dict[str, Any]], reference_rounds: list[dict[str, Any]],
+                      useful: int) -> dict[str, Any]:
+    """A contender on one dtype against itself on the reference dtype, round by round (``--dtypes``)."""
+    ratios = [base["seconds"] / r["seconds"] for r, base in zip(rounds, reference_rounds, strict=True)]
+    differences = [first_difference(ours, theirs)
+                   for ours, theirs in zip(rounds[0]["tokens"], reference_rounds[0]["tokens"], strict=True)]
+    differing = [d for d in differences if d is not None]
+    return {
+        "ratio_per_round": ratios,
+        "ratio_median": statistics.median(ratios),
+        "requests_identical_to_reference": differences.count(None),
+        "mean_first_difference": statistics.mean(differing) if differing else None,
+        "same_tokens_every_round": all(r["tokens"] == rounds[0]["tokens"] for r in rounds),
+    }
+
+
+def first_difference(ours: list[int], reference: list[int]) -> int | None:
+    """The position of the first token that differs, or None if none does."""
+    return next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), None)
+
+
 def print_report(results: dict[str, Any]) -> None:
     base = results["contenders"].get("dynamic", {}).get("tokens_per_s")
-    rows = [{
-        "contender": name,
-        "tokens/s": r["tokens_per_s"],
-        "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
-        "x dynamic": r["tokens_per_s"] / base if base else float("nan"),
-        "TTFT p50 s": r["ttft_p50_s"],
-        "TTFT p95 s": r["ttft_p95_s"],
-        "tokens identical": r["tokens_identical"],
-    } for name, r in results["contenders"].items()]
+    reference = results["dtypes"][0]
+    rows = []
+    for name, r in results["contenders"].items():
+        row = {
+            "contender": name,
+            "tokens/s": r["tokens_per_s"],
+            "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
+            "x dynamic": r["tokens_per_s"] / base if base else float("nan"),
+            "TTFT p50 s": r["ttft_p50_s"],
+            "TTFT p95 s": r["ttft_p95_s"],
+            "tokens identical": r["tokens_identical"],
+        }
+        if "ratio_median" in r:
+            row |= {f"x {reference} (median of rounds)": r["ratio_median"],
+                    f"requests identical to {reference}": f"{r['requests_identical_to_reference']}/"
+                                                          f"{results['num_requests']}",
+                    "mean first difference": r["mean_first_difference"]}
+        rows.append(row)
     print(f"{results['num_requests']} requests, {results['output_tokens']} output tokens, KV budget "
           f"{mib(results['budget_bytes']):.1f} MiB, {results['threads']} threads")
     print(format_table(rows, list(rows[0])))
