@@ -285,7 +285,7 @@ def test_growth_resizes_storage_in_place_keeping_contents(llama):
 
 
 def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes_nothing(llama, monkeypatch):
-    from hf_paged_cache.pool import kv_pool
+    from hf_paged_cache.pool import layer_storage
 
     pool = elastic_pool(llama, num_blocks=2, block_size=4)
     states = torch.randn(1, 2, 1, 16)
@@ -296,7 +296,7 @@ def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes
     def out_of_memory(tensor, slots):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(kv_pool, "_grow_slots", out_of_memory)
+    monkeypatch.setattr(layer_storage, "_grow_slots", out_of_memory)
     with pytest.raises(KVMemoryError, match=r"layer 0's keys need 2,560 bytes") as info:
         pool.blocks.allocate(3)  # 3 short: grows to 2 + 3 = 5 blocks = 20 slots x 2 heads x 16 x 4 bytes
     assert info.value.requested_bytes == 5 * 4 * 2 * 16 * 4 and isinstance(info.value, MemoryError)
@@ -307,14 +307,14 @@ def test_a_growth_that_does_not_fit_the_device_raises_with_its_bytes_and_changes
 
 
 def test_storage_that_cannot_be_created_raises_with_its_bytes(llama, monkeypatch):
-    from hf_paged_cache.pool import kv_pool
+    from hf_paged_cache.pool import layer_storage
 
     pool = KVPool.for_config(llama.config, num_blocks=10, block_size=4)
 
     def out_of_memory(*args):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 5120 bytes")
 
-    monkeypatch.setattr(kv_pool, "_empty", out_of_memory)
+    monkeypatch.setattr(layer_storage, "_empty", out_of_memory)
     states = torch.randn(1, 2, 1, 16)
     with pytest.raises(KVMemoryError, match=r"needs 10,240 bytes .* on cpu"):
         pool.layer(0, states, states)

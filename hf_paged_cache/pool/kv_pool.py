@@ -33,7 +33,7 @@ that read or write a layer's tensors (`PagedCache`):
    `attend_from_pool` do. Call `layer()` (which may create the layer's tensors, under `exclusive()`) before
    entering `shared()`. Results of a gather (``index_select``) are copies, safe to use after the block;
    views are not.
-2. Do not take blocks (`BlockTables.append`, `plan_step`, `BlockPool.allocate`) and do not call `layer()`
+2. Do not take blocks (`BlockTables.append`, `plan_group`, `BlockPool.allocate`) and do not call `layer()`
    for a layer without storage while holding `shared()`: both may need `exclusive()`, and the lock refuses
    that upgrade with a `RuntimeError` (rather than deadlock). Taking blocks before or after calling
    `layer()` is equally fine: the tensors grow in place.
@@ -58,12 +58,12 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..errors import KVMemoryError
-from .block_pool import FIXED, NULL_BLOCK, BlockPool, as_count
-from .kv_format import StoredStates, kv_format, writable
+from .block_pool import FIXED, BlockPool, as_count
+from .kv_format import StoredStates, kv_format
+from .layer_storage import LayerStorage
 from .locks import SharedExclusiveLock
 from .memory import (
     KVLayout,
-    LayerShape,
     blocks_for_budget,
     bytes_per_block,
     check_fits_machine,
@@ -78,7 +78,8 @@ ELASTIC_START_TOKENS = 4096
 class KVPool:
     """Key and value storage for every layer of one model, addressed by block id.
 
-    Per attention layer, keys are stored head-major as ``[num_kv_heads, num_blocks * block_size, key_dim]``
+    Per attention layer (`storage`, a `LayerStorage`), keys are stored head-major as
+    ``[num_kv_heads, num_blocks * block_size, key_dim]``
     (values likewise), addressed by slot id (``block * block_size + offset``) along dim 1: a run of
     consecutive blocks is, for each head, one contiguous stretch of memory, so attention reads it as an
     ``[H, n, D]`` view as fast as `DynamicCache`'s own tensors, and a gather by slot ids
@@ -129,11 +130,10 @@ class KVPool:
         sizes = [b.num_blocks if cap is None else cap for b in self.groups]
         check_fits_machine(self._bytes_for(sizes), asked, f": {sizes[0]:,} blocks x {self.bytes_per_block:,} bytes"
                            if len(set(sizes)) == 1 else f": {sizes} blocks per layer group")
-        self.keys: list[torch.Tensor | None] = [None] * layout.num_layers
-        self.values: list[torch.Tensor | None] = [None] * layout.num_layers
-        self.key_scales: list[torch.Tensor | None] = [None] * layout.num_layers  # scaled formats only
-        self.value_scales: list[torch.Tensor | None] = [None] * layout.num_layers
-        self._stored: list[tuple[StoredStates, StoredStates] | None] = [None] * layout.num_layers  # `stored`
+        self.storage = LayerStorage(layout, block_size, self.kv_format, dtype)  # every layer's tensors
+        # the storage's own per-layer lists (None until a layer's first forward), kept in place as layers are made
+        self.keys, self.values = self.storage.keys, self.storage.values
+        self.key_scales, self.value_scales = self.storage.key_scales, self.storage.value_scales  # scaled formats only
         self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
 
     @classmethod
@@ -252,13 +252,9 @@ class KVPool:
         if keys is None or keys.shape[1] < num_blocks * self.block_size:
             with self._exclusive(f"creating layer {layer_idx}'s storage"):
                 if self.keys[layer_idx] is None:
-                    blocks = max(num_blocks, self._storage_blocks[group])
-                    keys, values, key_scales, value_scales = self._create(layer_idx, shape, key_states.device, blocks)
-                    self.key_scales[layer_idx], self.value_scales[layer_idx] = key_scales, value_scales
-                    self.values[layer_idx] = values  # first: whoever sees the keys (read unlocked) sees the values
-                    self.keys[layer_idx] = keys
+                    self.storage.create(layer_idx, key_states.device, max(num_blocks, self._storage_blocks[group]))
                 else:  # only if the id space grew without the hook (never for a pool built here)
-                    self._grow_layer(layer_idx, num_blocks)
+                    self.storage.grow(layer_idx, num_blocks, num_blocks)
             keys = self.keys[layer_idx]
         if keys.device != key_states.device:
             raise ValueError(
@@ -267,24 +263,8 @@ class KVPool:
         return self.stored(layer_idx)
 
     def stored(self, layer_idx: int) -> tuple[StoredStates, StoredStates]:
-        """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `layer`).
-
-        Made once per layer: its tensors are never replaced (growth moves them in place)."""
-        stored = self._stored[layer_idx]
-        if stored is None:
-            keys, values = self.keys[layer_idx], self.values[layer_idx]
-            if keys is None or values is None:
-                raise ValueError(f"layer {layer_idx} has stored nothing yet")
-            stored = self._stored[layer_idx] = (
-                StoredStates(keys, self.key_scales[layer_idx], self.kv_format, self.dtype),
-                StoredStates(values, self.value_scales[layer_idx], self.kv_format, self.dtype),
-            )
-        return stored
-
-    def _layer_tensors(self, layer_idx: int) -> list[tuple[str, torch.Tensor | None]]:
-        """Every tensor layer `layer_idx` stores (keys, values and their scales), with its name."""
-        return [("keys", self.keys[layer_idx]), ("values", self.values[layer_idx]),
-                ("key scales", self.key_scales[layer_idx]), ("value scales", self.value_scales[layer_idx])]
+        """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `layer`)."""
+        return self.storage.stored(layer_idx)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
         """Copy each ``(src, dst)`` block of group `group` in its layers that have storage (copy-on-write,
@@ -297,21 +277,14 @@ class KVPool:
         if any(self.keys[i] is not None and self.keys[i].shape[1] < num_blocks * size for i in layers):
             with self._exclusive("growing the storage for copy_blocks"):  # never for a pool built here
                 for layer_idx in layers:
-                    self._grow_layer(layer_idx, num_blocks)
+                    self.storage.grow(layer_idx, num_blocks, num_blocks)
         with self.storage_lock.shared():
-            for storage in (tensor for i in layers for _, tensor in self._layer_tensors(i)):
-                if storage is None:
-                    continue
-                src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)], device=storage.device)
-                dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)], device=storage.device)
-                storage = writable(storage)  # float8 has no CPU index_copy_: its bytes do
-                storage.index_copy_(1, dst, storage.index_select(1, src))
+            self.storage.copy_blocks(layers, pairs)
 
     def storage_bytes(self) -> int:
         """Bytes of K/V tensors (and scales) allocated so far (layers are created lazily; an elastic pool's grow
         with it)."""
-        tensors = (tensor for i in range(self.layout.num_layers) for _, tensor in self._layer_tensors(i))
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return self.storage.nbytes()
 
     # ------------------------------------------------------------------ growth
 
@@ -340,61 +313,8 @@ class KVPool:
             )
         with self._exclusive(f"growing the pool to {num_blocks} blocks"):
             for layer_idx in self.layer_groups[group].layers:
-                self._grow_layer(layer_idx, num_blocks)
+                self.storage.grow(layer_idx, num_blocks, old)
             self._storage_blocks[group] = max(self._storage_blocks[group], num_blocks)
-
-    def _grow_layer(self, layer_idx: int, num_blocks: int) -> None:
-        """Grow layer `layer_idx`'s tensors in place to `num_blocks` blocks (under `exclusive()`)."""
-        slots = num_blocks * self.block_size
-        for name, tensor in self._layer_tensors(layer_idx):
-            if tensor is None or tensor.shape[1] >= slots:
-                continue
-            nbytes = slots * tensor[:, 0].numel() * tensor.element_size()
-            try:
-                _grow_slots(tensor, slots)  # copies the contents; on failure, nothing changed
-            except (RuntimeError, MemoryError) as error:
-                if not _out_of_memory(error):
-                    raise
-                raise KVMemoryError(
-                    f"growing the elastic KV pool from {tensor.shape[1] // self.block_size:,} to {num_blocks:,} "
-                    f"blocks: layer {layer_idx}'s {name} need {nbytes:,} bytes ({format_memory(nbytes)}) on "
-                    f"{tensor.device}, which it could not allocate ({error}). Nothing was taken: the pool keeps "
-                    f"its {self.groups[self.group_of[layer_idx]].num_blocks:,} blocks. Release other caches on this pool, or give the pool a "
-                    "fixed size (num_blocks= / max_memory=) that fits.",
-                    nbytes,
-                    tensor.device,
-                ) from error
-
-    def _create(
-        self, layer_idx: int, shape: LayerShape, device: torch.device, num_blocks: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """New ``(keys, values, key_scales, value_scales)`` tensors of `num_blocks` blocks for layer
-        `layer_idx`, the null block zeroed (scales: None for a plain format)."""
-        slots = num_blocks * self.block_size
-        stored = self.kv_format
-        stored.check_device(device)
-        try:
-            keys = _empty((shape.num_heads, slots, shape.key_dim), stored.storage, device)
-            values = _empty((shape.num_heads, slots, shape.value_dim), stored.storage, device)
-            scales = [_empty((shape.num_heads, slots, *stored.scale_shape(dim)), stored.scale_dtype, device)
-                      if stored.scaled else None for dim in (shape.key_dim, shape.value_dim)]
-        except (RuntimeError, MemoryError) as error:
-            if not _out_of_memory(error):
-                raise
-            nbytes = slots * shape.num_heads * (stored.vector_bytes(shape.key_dim) + stored.vector_bytes(shape.value_dim))
-            raise KVMemoryError(
-                f"creating layer {layer_idx}'s KV storage ({num_blocks:,} blocks of {self.block_size} tokens) needs "
-                f"{nbytes:,} bytes ({format_memory(nbytes)}) on {device}, which it could not allocate ({error}). "
-                "Use a smaller pool (num_blocks= / max_memory=, or neither for one that grows as needed).",
-                nbytes,
-                device,
-            ) from error
-        null = slice(NULL_BLOCK * self.block_size, (NULL_BLOCK + 1) * self.block_size)
-        with torch.inference_mode(False):
-            for tensor in (keys, values, *scales):  # padding reads the null block: keep it finite
-                if tensor is not None:
-                    tensor[:, null] = 0
-        return keys, values, *scales
 
     def __repr__(self) -> str:
         size = f"num_blocks={self.num_blocks}, " + (
@@ -417,25 +337,3 @@ def _grow_hook(pool: KVPool, group: int):
             target._grow_storage(group, num_blocks)
 
     return on_grow
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A normal tensor even under `torch.inference_mode()`, so the pool works inside and outside it."""
-    with torch.inference_mode(False):
-        return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _grow_slots(tensor: torch.Tensor, slots: int) -> None:
-    """Make head-major `tensor` ``[H, S, ...]`` hold `slots` slots in place, keeping its contents: a new
-    allocation, every head's slots copied into it, and the same tensor object pointed at it (``set_``)."""
-    with torch.inference_mode(False):  # the pool's tensors are normal tensors (`_empty`)
-        grown = torch.empty((tensor.shape[0], slots, *tensor.shape[2:]), dtype=tensor.dtype, device=tensor.device)
-        grown[:, : tensor.shape[1]] = tensor
-        tensor.set_(grown)
-
-
-def _out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
-        return True
-    message = str(error).lower()
-    return "out of memory" in message or "can't allocate memory" in message or "failed to allocate" in message
