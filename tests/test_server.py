@@ -601,7 +601,7 @@ BAD_COMPLETIONS = [
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),  # structured outputs: test_server_structured.py
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]

@@ -237,6 +237,9 @@ class Request:
             prefix_allowed_tokens_fn=extras.get("prefix_allowed_tokens_fn"),
             logits_processor=extras.get("logits_processor") or LogitsProcessorList(),
         )
+        # a processor that bans tokens outright (a grammar's mask) goes before sampling's filters, which could
+        # otherwise keep only tokens it bans
+        self.processors.sort(key=lambda processor: not getattr(processor, "runs_first", False))
         self.criteria: StoppingCriteriaList = model._get_stopping_criteria(
             generation_config=config, stopping_criteria=extras.get("stopping_criteria") or StoppingCriteriaList(),
             tokenizer=tokenizer,

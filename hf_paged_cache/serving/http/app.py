@@ -19,6 +19,7 @@ is raced against the connection's ``http.disconnect``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,6 +31,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
+from ...structured import GrammarError
 from .auth import ApiKeyMiddleware
 from .chat import ChatFormatter
 from .completions import CompletionFormatter
@@ -46,6 +48,7 @@ from .params import (
     completion_prompts,
     echo_texts,
     generation_options,
+    grammar_spec,
     param_of_engine_error,
     refuse_unsupported,
 )
@@ -140,6 +143,7 @@ def build_app(
             body, prompts, max_model_len=engine.max_model_len, max_n=settings.max_n, max_tokens=body.max_tokens,
             logprobs=body.logprobs, prompt_logprobs=echo_logprobs, prompt_param="prompt",
         )
+        options = _constrained(options, body, engine, settings, metrics)
         formatter = CompletionFormatter(
             engine, model=settings.model_name, prompts=prompts, prompt_texts=echo_texts(body, prompts, engine),
             echo=body.echo, logprobs=body.logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
@@ -161,6 +165,7 @@ def build_app(
             max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=logprobs, prompt_logprobs=None,
             prompt_param="messages",
         )
+        options = _constrained(options, body, engine, settings, metrics)
         formatter = ChatFormatter(engine, model=settings.model_name, logprobs=logprobs,
                                   tokens_as_ids=body.return_tokens_as_token_ids)
         return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
@@ -249,6 +254,23 @@ def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
 def _model_card(settings: ServerSettings, engine: EngineClient, created: int) -> ModelCard:
     return ModelCard(id=settings.model_name, created=created, root=settings.model_root,
                      max_model_len=engine.max_model_len)
+
+
+def _constrained(
+    options: GenerationOptions, body: SamplingRequest, engine: EngineClient, settings: ServerSettings,
+    metrics: ServerMetrics,
+) -> GenerationOptions:
+    """`options` with the grammar the request holds its answer to (compiled, or from the cache), if any; a 400
+    naming the field when the engine cannot compile it."""
+    spec, param = grammar_spec(body, settings.max_schema_bytes)
+    if spec is None:
+        return options
+    try:
+        grammar = engine.compile_grammar(spec)
+    except GrammarError as error:
+        raise APIError(400, f"{param}: {error}", param=param, code="invalid_grammar") from error
+    metrics.structured_requests.labels(spec.kind).inc()
+    return dataclasses.replace(options, grammar=grammar)
 
 
 def _start(

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from ...structured import CompiledGrammar, Grammars, GrammarSpec, grammar_constraint
 from ..request import RequestHandle
 from ..validation import flat_token_ids
 from .detokenize import IncrementalDetokenizer
@@ -46,6 +48,7 @@ class GenerationOptions:
     seed: int | None = None
     logprobs: int | None = None  # alternatives to report for each new token (None: no logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    grammar: CompiledGrammar | None = None  # what the answer must match (structured outputs)
 
 
 class Submitter(Protocol):
@@ -91,6 +94,8 @@ class EngineClient:
         ids = [*batcher.eos_token_ids, *flat_token_ids(tokenizer.eos_token_id)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self._grammars: Grammars | None = None  # made on the first constrained request (reads the whole vocabulary)
+        self._grammars_lock = threading.Lock()
 
     # ------------------------------------------------------------------ text
 
@@ -115,6 +120,13 @@ class EngineClient:
             )
         except TemplateError as error:
             raise ValueError(f"the chat template refused the messages: {error}") from error
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """`spec` compiled for the model's tokenizer (cached by spec); `GrammarError` names what is wrong."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+        return self._grammars.compile(spec)
 
     # ------------------------------------------------------------------ generation
 
@@ -169,10 +181,17 @@ class EngineClient:
             kwargs["repetition_penalty"] = options.repetition_penalty
         eos = () if options.ignore_eos else self.eos_token_ids
         kwargs["eos_token_id"] = list(dict.fromkeys([*eos, *options.stop_token_ids])) or None
+        processors = LogitsProcessorList()
         if options.presence_penalty or options.frequency_penalty:
-            kwargs["logits_processor"] = LogitsProcessorList([
-                PresenceFrequencyPenalty(prompt_length, options.presence_penalty, options.frequency_penalty)
-            ])
+            processors.append(PresenceFrequencyPenalty(prompt_length, options.presence_penalty,
+                                                       options.frequency_penalty))
+        if options.grammar is not None:
+            on_mask = None if self.metrics is None else self.metrics.grammar_mask_seconds.observe
+            mask, stop = grammar_constraint(options.grammar, prompt_length, on_mask)
+            processors.append(mask)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stop])
+        if processors:
+            kwargs["logits_processor"] = processors
         if options.seed is not None:
             kwargs["seed"] = options.seed
         if options.logprobs is not None:

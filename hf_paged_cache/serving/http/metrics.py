@@ -23,6 +23,7 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
@@ -51,6 +52,15 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "From submission to the end of a request", buckets=E2E_BUCKETS,
             registry=registry,
+        )
+
+        self.structured_requests = Counter(
+            PREFIX + "structured_requests", "Requests whose answer is held to a schema, pattern or grammar, by kind",
+            ["kind"], registry=registry,
+        )
+        self.grammar_mask_seconds = Histogram(
+            PREFIX + "grammar_mask_seconds", "Computing and applying one constrained row's token mask",
+            buckets=MASK_BUCKETS, registry=registry,
         )
 
     def request_finished(

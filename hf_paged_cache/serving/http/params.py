@@ -8,6 +8,7 @@ output and that the server cannot honour are refused by name, never ignored. Eve
 
 from __future__ import annotations
 
+from ...structured import GrammarSpec
 from .engine import EngineClient, GenerationOptions
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -38,7 +39,6 @@ def refuse_unsupported(request: SamplingRequest) -> None:
     """400 for a parameter that would change the output and that the server does not implement."""
     unsupported = {
         "logit_bias": bool(request.logit_bias),
-        "response_format": request.response_format is not None and request.response_format.type != "text",
         "tools": bool(request.tools),
         "tool_choice": request.tool_choice not in (None, "none"),
         "functions": bool(request.functions),
@@ -55,6 +55,62 @@ def refuse_unsupported(request: SamplingRequest) -> None:
         if refused:
             why = "it needs stream=true" if name == "stream_options" else "this server does not support it"
             raise APIError(400, f"{name} is not supported here: {why}", param=name, code="unsupported_parameter")
+
+
+def grammar_spec(request: SamplingRequest, max_schema_bytes: int) -> tuple[GrammarSpec | None, str | None]:
+    """The constraint the request puts on its answer and the field it came from (None, None: none).
+
+    400 when it sets more than one, when a ``response_format`` type is unknown or lacks its schema, or when the
+    schema (or pattern, or grammar) is over `max_schema_bytes`.
+    """
+    found: list[tuple[str, GrammarSpec]] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            found.append(("response_format", GrammarSpec.json_object()))
+        elif response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format", code="invalid_value")
+            found.append(("response_format", GrammarSpec.json_schema(response_format.json_schema.schema_)))
+        else:
+            raise APIError(400, f"response_format type {response_format.type!r} is not one of text, json_object, "
+                                "json_schema", param="response_format", code="invalid_value")
+    structured = request.structured_outputs
+    fields = {
+        "guided_json": request.guided_json, "guided_regex": request.guided_regex,
+        "guided_choice": request.guided_choice, "guided_grammar": request.guided_grammar,
+        "structured_outputs.json": structured and structured.json_,
+        "structured_outputs.regex": structured and structured.regex,
+        "structured_outputs.choice": structured and structured.choice,
+        "structured_outputs.grammar": structured and structured.grammar,
+        "structured_outputs.json_object": structured and structured.json_object,
+    }
+    for name, value in fields.items():
+        if value is None or value is False:
+            continue
+        kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+        if kind == "json":
+            found.append((name, GrammarSpec.json_schema(value)))
+        elif kind == "json_object":
+            found.append((name, GrammarSpec.json_object()))
+        elif kind == "regex":
+            found.append((name, GrammarSpec.regex(value)))
+        elif kind == "choice":
+            found.append((name, GrammarSpec.choice(value)))
+        else:
+            found.append((name, GrammarSpec.lark(value)))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(400, f"give at most one constraint on the answer, got {names}", param=found[1][0],
+                       code="invalid_value")
+    param, spec = found[0]
+    if len(spec.source.encode("utf-8")) > max_schema_bytes:
+        raise APIError(400, f"{param} is {len(spec.source.encode('utf-8'))} bytes, over this server's "
+                            f"--max-schema-bytes of {max_schema_bytes}", param=param, code="schema_too_large")
+    return spec, param
 
 
 def completion_prompts(request: CompletionRequest, engine: EngineClient) -> list[list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_SCHEMA_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,8 @@ class ServerSettings:
         max_n: the most choices one request may ask for.
         max_body_bytes: the largest request body accepted (413 beyond it).
         shutdown_grace: seconds requests in flight get to finish once shutting down.
+        max_schema_bytes: the largest JSON schema, regular expression or grammar a request may constrain its
+            answer with (400 beyond it).
     """
 
     model_name: str
@@ -28,3 +31,4 @@ class ServerSettings:
     max_n: int = 16
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace: float = 30.0
+    max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES

@@ -1,0 +1,150 @@
+"""`GrammarLogitsProcessor`: a grammar's token mask as a transformers logits processor, and `GrammarStop`.
+
+The processor holds no per-request state that a caller must keep in step: a matcher's state is a function of
+the tokens it consumed, so on each call it finds (or makes) a matcher that has consumed exactly the row's
+generated tokens (advancing one by the tokens it lacks, or rolling one back by those it has too many) and
+computes the mask from it. Nothing it does depends on how often it is called: a token choice that is tried
+again, a step that is dropped, a request preempted and recomputed, or the several choices of one prompt
+(which share their processors) all see the mask of their own tokens. The same object works in
+``model.generate(..., logits_processor=[...])``, where each row of the batch is one answer.
+
+The mask must come before sampling's filters (top-k, top-p, min-p), or they may leave nothing the grammar
+allows: the batcher's requests put every processor with ``runs_first`` ahead of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import llguidance
+import llguidance.torch
+import torch
+from transformers import LogitsProcessor, StoppingCriteria
+
+from .grammars import CompiledGrammar
+
+MAX_MATCHERS = 64  # matchers kept per processor: the rows (or choices) it serves, and spares
+
+
+class _Matcher:
+    """An llguidance matcher and the tokens it has consumed (its state is a function of them)."""
+
+    def __init__(self, grammar: CompiledGrammar):
+        self.engine = grammar.matcher()
+        self.consumed: list[int] = []
+        self.used = 0  # when the processor last used it (its call count), for eviction
+
+    def follow(self, tokens: list[int]) -> bool:
+        """Bring it to having consumed exactly `tokens`; False when it cannot (they leave the grammar)."""
+        if self.consumed != tokens[: len(self.consumed)]:
+            keep = _common_prefix(self.consumed, tokens)
+            self.engine.rollback(len(self.consumed) - keep)
+            del self.consumed[keep:]
+        for token in tokens[len(self.consumed):]:
+            if not self.engine.consume_token(token):
+                return False
+            self.consumed.append(token)
+        return not self.engine.is_error()
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Bans every token the grammar does not allow after the row's generated tokens.
+
+    Args:
+        grammar: from `Grammars.compile`.
+        prompt_length: where generated tokens start in the ``input_ids`` it is given (None: the length of the
+            first ``input_ids`` it sees, as in ``generate``, whose first call is on the prompt alone).
+        on_mask: called with the seconds each mask took (metrics), if given.
+    """
+
+    runs_first = True  # before temperature, top-k, top-p and min-p (`Request` orders its processors so)
+
+    def __init__(self, grammar: CompiledGrammar, prompt_length: int | None = None,
+                 on_mask: Callable[[float], None] | None = None):
+        self.grammar = grammar
+        self.prompt_length = prompt_length
+        self.on_mask = on_mask
+        self._matchers: list[_Matcher] = []
+        self._calls = 0
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # [1, W / 32]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        start = time.perf_counter()
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]
+        width = self.grammar.tokenizer.vocab_size
+        for row, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
+            matcher = self.matcher_for(ids)
+            if matcher is None:
+                scores[row] = -torch.inf  # its tokens left the grammar: nothing can follow (the caller fails it)
+                continue
+            llguidance.torch.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
+            llguidance.torch.apply_token_bitmask_inplace(scores[row : row + 1, :width], self._bitmask)
+            scores[row, width:] = -torch.inf  # ids past the tokenizer are never text
+        if self.on_mask is not None:
+            self.on_mask(time.perf_counter() - start)
+        return scores
+
+    def matcher_for(self, tokens: Sequence[int]) -> _Matcher | None:
+        """A matcher that has consumed exactly `tokens` (None when they leave the grammar)."""
+        tokens = list(tokens)
+        self._calls += 1
+        matcher = self._nearest(tokens)
+        if matcher is None or not matcher.follow(tokens):
+            if matcher is not None:
+                self._matchers.remove(matcher)
+            matcher = _Matcher(self.grammar)
+            if not matcher.follow(tokens):
+                return None
+            self._matchers.append(matcher)
+            if len(self._matchers) > MAX_MATCHERS:
+                self._matchers.remove(min(self._matchers, key=lambda m: m.used))
+        matcher.used = self._calls
+        return matcher
+
+    def finished(self, tokens: Sequence[int]) -> bool:
+        """Whether the grammar is complete after `tokens` and nothing may follow them."""
+        matcher = self.matcher_for(tokens)
+        return matcher is not None and matcher.engine.is_stopped()
+
+    def _nearest(self, tokens: list[int]) -> _Matcher | None:
+        """The kept matcher that shares the longest prefix with `tokens` (ties: the most recently used)."""
+        best, best_keep = None, -1
+        for matcher in self._matchers:
+            keep = _common_prefix(matcher.consumed, tokens)
+            if keep > best_keep or (keep == best_keep and matcher.used > best.used):
+                best, best_keep = matcher, keep
+        return best
+
+
+class GrammarStop(StoppingCriteria):
+    """Stops a row once its grammar is complete and allows nothing more (the answer's finish reason is "stop")."""
+
+    def __init__(self, processor: GrammarLogitsProcessor):
+        self.processor = processor
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        start = self.processor.prompt_length or 0
+        done = [self.processor.finished(ids) for ids in input_ids[:, start:].tolist()]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def grammar_constraint(
+    grammar: CompiledGrammar, prompt_length: int | None = None, on_mask: Callable[[float], None] | None = None,
+) -> tuple[GrammarLogitsProcessor, GrammarStop]:
+    """The logits processor and the stopping criterion that hold an answer to `grammar`, as a pair."""
+    processor = GrammarLogitsProcessor(grammar, prompt_length, on_mask)
+    return processor, GrammarStop(processor)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    if a == b[: len(a)]:
+        return len(a)
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

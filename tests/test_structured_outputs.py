@@ -1,0 +1,109 @@
+"""`hf_paged_cache.structured` on its own: grammars compiled and cached, the mask in ``generate`` with a
+`PagedCache` and in the batcher, and a matcher that follows the tokens it is given (retries, dropped steps,
+recomputation) rather than counting calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from json_tokenizer import json_tokenizer
+from tiny_models import tiny_model
+
+from hf_paged_cache import ContinuousBatcher, PagedCache
+from hf_paged_cache.structured import GrammarError, Grammars, GrammarSpec, grammar_constraint
+
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "kind": {"enum": ["a", "b"]},
+                   "items": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}},
+    "required": ["id", "kind", "items"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return json_tokenizer(tmp_path_factory.mktemp("json-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, 96, [2])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_compiled_grammars_are_cached_by_spec(grammars):
+    before = grammars.compiled
+    first = grammars.compile(GrammarSpec.json_schema(SCHEMA))
+    assert grammars.compile(GrammarSpec.json_schema(SCHEMA)) is first
+    assert grammars.compiled == before + 1
+
+
+@pytest.mark.parametrize("spec, names", [
+    (GrammarSpec.json_schema({"type": "frob"}), "frob"),
+    (GrammarSpec.regex("(["), "regex"),
+    (GrammarSpec.lark("start: missing"), "missing"),
+    (GrammarSpec.choice([]), "choice"),
+])
+def test_an_uncompilable_spec_names_the_problem(grammars, spec, names):
+    with pytest.raises(GrammarError, match=names):
+        grammars.compile(spec)
+
+
+def test_generate_with_paged_cache_gives_valid_json(model, tokenizer, grammars):
+    processor, stop = grammar_constraint(grammars.compile(GrammarSpec.json_schema(SCHEMA)))
+    ids = torch.tensor([tokenizer.encode("data: ")] * 2)  # [2, 6]: each row follows its own tokens
+    with PagedCache(model, num_blocks=32) as cache:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=80,
+                             do_sample=False, logits_processor=[processor], stopping_criteria=[stop], pad_token_id=0)
+    for row in out[:, ids.shape[1]:]:
+        jsonschema.validate(json.loads(tokenizer.decode(row, skip_special_tokens=True)), SCHEMA)
+
+
+def test_mask_follows_the_tokens_not_the_calls(grammars, tokenizer):
+    """Asked again for the same tokens (a retried pick), for fewer (a dropped step), or for others (another
+    choice of the prompt), the processor masks as a fresh one would."""
+    grammar = grammars.compile(GrammarSpec.regex(r"(ab|ac)[0-9]"))
+    processor, _ = grammar_constraint(grammar, prompt_length=1)
+    a, b, c = (tokenizer.convert_tokens_to_ids(t) for t in "abc")
+
+    def allowed(generated: list[int]) -> set[int]:
+        scores = processor(torch.tensor([[5, *generated]]), torch.zeros(1, 96))
+        return set(torch.nonzero(scores[0] > -torch.inf).flatten().tolist())
+
+    assert allowed([]) == {a}
+    assert allowed([a]) == {b, c}
+    assert allowed([a]) == {b, c}  # retried
+    digits = allowed([a, b])
+    assert len(digits) == 10
+    assert allowed([a]) == {b, c}  # rolled back a token
+    assert allowed([a, c]) == digits  # another branch
+    fresh, _ = grammar_constraint(grammar, prompt_length=1)
+    assert set(torch.nonzero(fresh(torch.tensor([[5, a, c]]), torch.zeros(1, 96))[0] > -torch.inf)
+               .flatten().tolist()) == digits
+
+
+def test_batcher_requests_stop_when_the_grammar_ends(model, tokenizer, grammars):
+    grammar = grammars.compile(GrammarSpec.choice(["yes", "no"]))
+    with ContinuousBatcher(model, num_blocks=64, tokenizer=tokenizer) as batcher:
+        handles = []
+        for seed in range(4):
+            processor, stop = grammar_constraint(grammar, prompt_length=3)
+            handles.append(batcher.submit(tokenizer.encode("ok?"), max_new_tokens=20, do_sample=True, top_k=5,
+                                          seed=seed, logits_processor=[processor], stopping_criteria=[stop]))
+        plain = batcher.submit(tokenizer.encode("ok?"), max_new_tokens=5, do_sample=False)
+        for handle in handles:
+            assert tokenizer.decode(handle.result(timeout=60), skip_special_tokens=True) in {"yes", "no"}
+            assert handle.finish_reason == "stop"
+        assert plain.result(timeout=60) == model.generate(torch.tensor([tokenizer.encode("ok?")]),
+                                                          max_new_tokens=5, do_sample=False,
+                                                          pad_token_id=0)[0, 3:].tolist()
