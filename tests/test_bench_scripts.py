@@ -264,13 +264,13 @@ def test_bench_decode_fields(decode_result: dict[str, Any]) -> None:
                                              for v in ("paged", "paged_sdpa")}
 
 
-# ---------------------------------------------------------------------------------------- bench_steps
+# ---------------------------------------------------------------------------- bench_decode --per-step
 
 
-def test_bench_steps_alternates_the_same_steps(tiny_dir: str, results_dir: Path) -> None:
+def test_bench_decode_per_step_alternates_the_same_steps(tiny_dir: str, results_dir: Path) -> None:
     args = ["--model", tiny_dir, "--prompt-lens", "30,12x2", "--steps", "4", "--warmup-steps", "1",
             "--variants", "dynamic,paged_sdpa,paged"]
-    result = run_script("bench_steps", args, results_dir / "bench_steps.json")
+    result = run_script("bench_decode", ["--per-step", *args], results_dir / "bench_steps.json")
     assert result["prompt_lens"] == [30, 12, 12] and result["reference"] == "dynamic"
     assert list(result["variants"]) == ["dynamic", "paged_sdpa", "paged"] and result["max_abs_logit"] > 0
     for variant, r in result["variants"].items():
@@ -283,9 +283,9 @@ def test_bench_steps_alternates_the_same_steps(tiny_dir: str, results_dir: Path)
             assert r["same_greedy_tokens"] is True and r["max_abs_logit_diff"] < 1e-5
 
 
-def test_bench_steps_fixed_cost_times_the_narrowed_architecture(tiny_dir: str, results_dir: Path) -> None:
+def test_bench_decode_per_step_fixed_cost_times_the_narrowed_architecture(tiny_dir: str, results_dir: Path) -> None:
     args = ["--model", tiny_dir, "--prompt-lens", "20,9", "--steps", "3", "--warmup-steps", "1", "--fixed-cost"]
-    result = run_script("bench_steps", args, results_dir / "bench_steps_fixed_cost.json")
+    result = run_script("bench_decode", ["--per-step", *args], results_dir / "bench_steps_fixed_cost.json")
     heads = tiny_model("llama").config.num_attention_heads
     assert result["args"]["fixed_cost"] is True and result["hidden_size"] == heads * NARROW_HEAD_DIM
     paged = result["variants"]["paged_sdpa"]
@@ -316,13 +316,15 @@ def test_narrowed_refuses_a_config_without_widths() -> None:
         narrowed(tiny_model("gpt2"))  # GPT-2 names its MLP width n_inner
 
 
-def test_bench_steps_reads_its_batch_and_refuses_one_variant() -> None:
-    script = load_script("bench_steps")
+def test_bench_decode_reads_its_batch_and_refuses_one_per_step_variant() -> None:
+    script = load_script("bench_decode")
     assert script.parse_prompt_lens("60,300x3, 7") == [60, 300, 300, 300, 7]
     with pytest.raises(SystemExit):
-        script.parse_args(["--variants", "dynamic"])
+        script.parse_args(["--per-step", "--variants", "dynamic"])
     with pytest.raises(SystemExit):
-        script.parse_args(["--variants", "dynamic,paged_nope"])
+        script.parse_args(["--per-step", "--variants", "dynamic,paged_nope"])
+    assert script.parse_args(["--per-step"]).prompt_lens == [512] and script.parse_args([]).prompt_lens is None
+    assert script.parse_args(["--per-step"]).out == "results/bench_steps.json"
 
 
 # -------------------------------------------------------------------------------------- bench_kernels

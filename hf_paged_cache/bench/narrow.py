@@ -4,7 +4,7 @@ A decode step of a small model on a CPU spends a good part of its time outside t
 modules' forwards, a cache's bookkeeping), in dispatching hundreds of small ops, in allocating their outputs.
 That fixed cost does not grow with the widths; the products do. So the same architecture with every width cut
 (a few units per head, a small MLP) runs the same modules, caches and Python as the real model, and its step
-time is, within a few percent, the fixed cost alone (`scripts/bench/generate/bench_steps.py --fixed-cost`).
+time is, within a few percent, the fixed cost alone (`scripts/bench/generate/bench_decode.py --per-step --fixed-cost`).
 """
 
 from __future__ import annotations

@@ -20,15 +20,19 @@ from ..kernels.cpu_capability import cpu_model_name
 from ..models import add_model_arguments, load_model_and_tokenizer
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, out: str) -> None:
-    """``--model --device --dtype --threads --seed --out``, shared by every script."""
+def add_common_args(parser: argparse.ArgumentParser, *, out: str | None, out_help: str | None = None) -> None:
+    """``--model --device --dtype --threads --seed --out``, shared by every script.
+
+    `out` is the default JSON path; a script whose default depends on its mode passes None and says so in
+    `out_help`, then picks the path itself.
+    """
     add_model_arguments(parser)
     parser.add_argument(
         "--threads", type=int, default=None,
         help="torch.set_num_threads (default: torch's choice); on a shared CPU 1 thread is far less noisy",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--out", default=out, help=f"JSON output path (default: {out})")
+    parser.add_argument("--out", default=out, help=out_help or f"JSON output path (default: {out})")
 
 
 def add_workload_args(parser: argparse.ArgumentParser, *, num_requests: int) -> None:

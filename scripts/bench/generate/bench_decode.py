@@ -1,4 +1,7 @@
-"""Decode throughput of ``model.generate`` with PagedCache against DynamicCache, in the same process.
+"""Decode speed of PagedCache against DynamicCache in the same process, at two granularities: whole
+``generate`` runs (the default), or decode steps alternated step by step (``--per-step``).
+
+**Whole runs** (the default).
 
 Scenarios (``--modes``), each on ragged left-padded batches of the seeded ShareGPT-like workload
 (`hf_paged_cache.bench`; prompts capped at ``--max-prompt``, every row generating exactly
@@ -37,34 +40,62 @@ Paged the pool's allocated bytes (sized to an upper bound of what the scenario n
 ``--prompt-lens`` pins the greedy batch to exact prompt lengths instead (e.g. 8 rows of 60 to 1,000
 tokens), so that a batch's raggedness is chosen, not drawn.
 
-Commands (the CPU runs reported in docs/benchmarks.md; on a GPU drop the size flags to get the defaults: batch
-sizes 1,8,32, prompts up to 1024, 128 new tokens)::
+**Steps alternated** (``--per-step``): the finest A/B of paging.
 
-    python scripts/bench/generate/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
-        --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t1.json
-    python scripts/bench/generate/bench_decode.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 --new-tokens 64 \
-        --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t2.json
+The default mode times whole ``generate`` runs, one cache after the other; on a shared CPU whose
+speed drifts from minute to minute, a pair of runs seconds apart can differ by 10% or more for no reason of
+their own. Here every variant holds its own cache of the same left-padded batch, prefilled once, and each
+decode step runs the same new tokens through every variant in turn, the order rotated from step to step
+(A, B, C; B, C, A; ...), so neighbouring forwards, milliseconds apart, meet the same machine. For each
+variant against the first (``dynamic`` by default) the script reports the median of the per-step time
+ratios with their quartiles, after ``--warmup-steps`` untimed steps.
+
+The new tokens are the first variant's greedy choices (as ``generate`` would feed them), so every variant
+computes exactly the same steps; each step's last-position logits are compared with the first variant's
+(largest absolute difference, and whether every greedy choice agrees). Inputs are built as ``generate``
+builds them: the attention mask grows by one column a step and each row's position is its count of real
+tokens so far. The variants are those above (``dynamic,paged_sdpa`` by default; ``paged_flex`` compiles its
+kernel in the untimed warm-up steps).
+
+``--prompt-lens`` gives the batch: lengths separated by commas, ``LxN`` for ``N`` rows of ``L`` tokens (e.g.
+``512`` for batch 1, ``300x16`` for 16 equal rows, ``60,150,250,400,550,700,850,1000`` for a ragged batch).
+
+``--fixed-cost`` times the model's architecture with its widths cut to a few units (`hf_paged_cache.bench.narrowed`:
+the same layers, heads, vocabulary and caches, random weights): its products cost next to nothing, so each
+variant's step time is what a step costs it beyond the math (Python, the cache's bookkeeping, op dispatch).
+
+Commands (the CPU runs reported in docs/benchmarks.md; on a GPU drop the size flags of the whole-run
+commands to get the defaults: batch sizes 1,8,32, prompts up to 1024, 128 new tokens)::
+
+    python scripts/bench/generate/bench_decode.py --threads 1 --prompt-lens 60,150,250,400,550,700,850,1000 \
+        --new-tokens 64 --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t1.json
+    python scripts/bench/generate/bench_decode.py --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 \
+        --new-tokens 64 --modes greedy --variants dynamic,paged_sdpa --out results/bench_decode_ragged8_t2.json
     python scripts/bench/generate/bench_decode.py --threads 1 --prompt-lens 512 --new-tokens 64 --modes greedy \
         --out results/bench_decode_b1_512.json
+    python scripts/bench/generate/bench_decode.py --per-step --threads 1 --prompt-lens 512 --pad-heap \
+        --out results/bench_steps_b1_t1.json
+    python scripts/bench/generate/bench_decode.py --per-step --threads 2 --prompt-lens 60,150,250,400,550,700,850,1000 \
+        --pad-heap --out results/bench_steps_ragged8_t2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.serving.heap import pad_heap
 from hf_paged_cache.bench import (
-    StepClock,
     VARIANTS,
+    StepClock,
     Timer,
     Workload,
     add_common_args,
@@ -75,18 +106,33 @@ from hf_paged_cache.bench import (
     load,
     median,
     mib,
+    narrowed,
     pad_token_id,
     paged_pool_blocks,
     peak_memory,
+    percentile,
     prompt_token_range,
     reset_peak_memory,
     sharegpt_workload,
+    synchronize,
     variant_attention,
     write_json,
 )
+from hf_paged_cache.kernels import pack_linears
+from hf_paged_cache.serving.heap import pad_heap
 
 DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm, paged_flex when asked: not the library's default
+STEP_VARIANTS = ("dynamic", "paged_sdpa")  # --per-step's default: the first is the reference
 MODES = ("greedy", "beam", "sample")
+OUT = "results/bench_decode.json"
+STEPS_OUT = "results/bench_steps.json"  # --per-step's (plot_bench reads bench_decode*.json as whole runs)
+
+EPILOG = (
+    "Two granularities of one A/B. Whole generate runs (without --per-step): greedy, beam and sample scenarios, each "
+    "variant's generate timed in alternated rounds (end-to-end and decode tokens/s, time to first token, KV "
+    "high-water). --per-step: every variant holds the same batch and the decode steps alternate among them, "
+    "step by step (median per-step speed ratio with its quartiles, logits compared)."
+)
 
 
 @dataclass(frozen=True)
@@ -105,52 +151,140 @@ def parse_list(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
     return [cast(item) for item in text.split(",") if item.strip()]
 
 
+def parse_prompt_lens(text: str) -> list[int]:
+    """``"60,150"`` -> ``[60, 150]``; ``"300x3"`` -> ``[300, 300, 300]``; the two forms mix; ``""`` -> ``[]``."""
+    lens: list[int] = []
+    for item in filter(str.strip, text.split(",")):
+        length, _, count = item.strip().partition("x")
+        lens += [int(length)] * (int(count) if count else 1)
+    return lens
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, out="results/bench_decode.json")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="greedy batch sizes (default: 1,8,32)")
-    parser.add_argument(
-        "--prompt-lens", default=None,
-        help="exact prompt lengths of one greedy batch, e.g. 60,200,1000, instead of --batch-sizes and the "
-        "ShareGPT draw (default: none)",
-    )
-    parser.add_argument("--max-prompt", type=int, default=1024, help="cap on prompt lengths (default: 1024)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: 128)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per scenario (default: 3)")
-    parser.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up runs (default: 4)")
-    parser.add_argument("--modes", default="greedy,beam,sample", help="scenarios to run (default: greedy,beam,sample)")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"caches to compare, from {','.join(VARIANTS)} (default: %(default)s)")
-    parser.add_argument("--num-beams", type=int, default=4, help="beams of the beam scenario (default: 4)")
-    parser.add_argument("--beam-batch-size", type=int, default=8, help="prompts of the beam scenario (default: 8)")
-    parser.add_argument(
-        "--num-return-sequences", type=int, default=8, help="samples per prompt of the sample scenario (default: 8)"
-    )
-    parser.add_argument(
-        "--sample-batch-size", type=int, default=4, help="prompts of the sample scenario (default: 4)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG)
+    add_common_args(parser, out=None, out_help=f"JSON output path (default: {OUT}; with --per-step {STEPS_OUT})")
+    parser.add_argument("--per-step", action="store_true",
+                        help="alternate the variants step by step on one batch instead of timing whole generate runs")
+    parser.add_argument("--prompt-lens", default=None,
+                        help="exact prompt lengths of the batch, e.g. 60,1000 or 300x16, instead of --batch-sizes and "
+                        "the ShareGPT draw (default: none; with --per-step 512)")
+    parser.add_argument("--variants", default=None,
+                        help=f"caches to compare (per step: the first is the reference), from {','.join(VARIANTS)} (default: "
+                        f"{','.join(DEFAULT_VARIANTS)}; with --per-step {','.join(STEP_VARIANTS)})")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
-    parser.add_argument(
-        "--pad-heap", action="store_true",
-        help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) for every "
-        "variant alike (without it: glibc's own settings)",
-    )
+    parser.add_argument("--pad-heap", action="store_true",
+                        help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) "
+                        "for every variant alike (without it: glibc's own settings)")
+    runs = parser.add_argument_group("whole generate runs")
+    runs.add_argument("--batch-sizes", default="1,8,32", help="greedy batch sizes (default: 1,8,32)")
+    runs.add_argument("--max-prompt", type=int, default=1024, help="cap on prompt lengths (default: 1024)")
+    runs.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: 128)")
+    runs.add_argument("--repeats", type=int, default=3, help="timed rounds per scenario (default: 3)")
+    runs.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up runs (default: 4)")
+    runs.add_argument("--modes", default="greedy,beam,sample", help="scenarios to run (default: greedy,beam,sample)")
+    runs.add_argument("--num-beams", type=int, default=4, help="beams of the beam scenario (default: 4)")
+    runs.add_argument("--beam-batch-size", type=int, default=8, help="prompts of the beam scenario (default: 8)")
+    runs.add_argument("--num-return-sequences", type=int, default=8,
+                      help="samples per prompt of the sample scenario (default: 8)")
+    runs.add_argument("--sample-batch-size", type=int, default=4, help="prompts of the sample scenario (default: 4)")
+    steps = parser.add_argument_group("steps alternated (--per-step)")
+    steps.add_argument("--steps", type=int, default=64, help="timed decode steps (default: 64)")
+    steps.add_argument("--warmup-steps", type=int, default=8, help="untimed decode steps first (default: 8)")
+    steps.add_argument("--fixed-cost", action="store_true",
+                       help="time the model's architecture with its widths cut to a few units (random weights): "
+                       "what a step costs beyond its products")
+    steps.add_argument("--packed-linears", action="store_true",
+                       help="multiply through oneDNN-packed weights (pack_linears, as the server does on a CPU) for "
+                       "every variant alike (without it: the stock kernels)")
     args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in the defaults that depend on ``--per-step`` and refuse what cannot run."""
+    args.out = args.out or (STEPS_OUT if args.per_step else OUT)
+    args.variants = parse_list(args.variants or ",".join(STEP_VARIANTS if args.per_step else DEFAULT_VARIANTS))
+    args.prompt_lens = parse_prompt_lens(args.prompt_lens or ("512" if args.per_step else "")) or None
     args.modes = parse_list(args.modes)
-    args.variants = parse_list(args.variants)
-    args.batch_sizes = parse_list(args.batch_sizes, int)
-    args.prompt_lens = parse_list(args.prompt_lens, int) if args.prompt_lens else None
-    if args.prompt_lens:
-        args.batch_sizes = [len(args.prompt_lens)]
-    for mode in args.modes:
-        if mode not in MODES:
-            parser.error(f"unknown mode {mode!r}; choose from {MODES}")
+    args.batch_sizes = [len(args.prompt_lens)] if args.prompt_lens else parse_list(args.batch_sizes, int)
     for variant in args.variants:
         if variant not in VARIANTS:
             parser.error(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    if args.per_step:
+        if len(set(args.variants)) != len(args.variants) or len(args.variants) < 2:
+            parser.error("--variants needs two or more different caches")
+        if args.steps < 1 or args.warmup_steps < 0:
+            parser.error("--steps must be >= 1 and --warmup-steps >= 0")
+        return
+    for mode in args.modes:
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; choose from {MODES}")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (decode time needs a step after prefill)")
-    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.pad_heap and not pad_heap():
+        print("--pad-heap: not glibc, malloc left as is", file=sys.stderr)
+    model, tokenizer = load(args)
+    command = "python scripts/bench/generate/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.per_step:
+        payload = per_step(model, tokenizer, args)
+    else:
+        payload = whole_runs(model, tokenizer, args)
+    payload = {"benchmark": payload.pop("benchmark"), "command": command, "args": vars(args)} | payload
+    write_json(args.out, payload, args.device)
+    (print_steps_report if args.per_step else print_runs_report)(payload)
+    return payload
+
+
+def whole_runs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict[str, Any]:
+    """Every scenario's alternated ``generate`` runs: the payload's fields but its command and arguments."""
+    pad_id = pad_token_id(model, tokenizer)
+    context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
+    plan = scenarios(args)
+    token_range = prompt_token_range(model, tokenizer)
+    if args.prompt_lens:
+        workload = fixed_length_workload(args.prompt_lens, seed=args.seed, output_len=args.new_tokens,
+                                         token_range=token_range)
+    else:
+        workload = sharegpt_workload(max(s.batch_size for s in plan), seed=args.seed,
+                                     max_prompt=min(args.max_prompt, context - args.new_tokens),
+                                     max_output=args.new_tokens, token_range=token_range)
+    results = [run_scenario(model, s, workload, pad_id, args) for s in tqdm(plan, desc="scenarios", unit="scenario")]
+    return {
+        "benchmark": "decode",
+        "model": model.name_or_path,
+        "dtype": str(model.dtype),
+        "attn_implementation": model.config._attn_implementation,
+        "workload": workload.summary(),
+        "scenarios": results,
+        "targets": targets(results),
+    }
+
+
+def per_step(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> dict[str, Any]:
+    """The decode steps of one batch alternated among the variants: the payload's fields but its command and
+    arguments."""
+    if args.fixed_cost:
+        model = narrowed(model, seed=args.seed)
+    if args.packed_linears:
+        pack_linears(model)
+    workload = fixed_length_workload(args.prompt_lens, seed=args.seed, output_len=args.steps,
+                                     token_range=prompt_token_range(model, tokenizer))
+    batch = left_pad(workload.prompts(), pad_token_id(model, tokenizer), args.device)  # [B, S] each
+    return {
+        "benchmark": "steps",
+        "model": model.name_or_path,
+        "dtype": str(model.dtype),
+        "hidden_size": model.config.get_text_config(decoder=True).hidden_size,  # narrowed with --fixed-cost
+        "threads": torch.get_num_threads(),
+        "prompt_lens": args.prompt_lens,
+        "reference": args.variants[0],
+        **alternate_steps(model, batch, args),  # max_abs_logit, and per variant its step times and logit comparison
+    }
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -306,46 +440,7 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.pad_heap and not pad_heap():
-        print("--pad-heap: not glibc, malloc left as is", file=sys.stderr)
-    model, tokenizer = load(args)
-    pad_id = pad_token_id(model, tokenizer)
-    context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
-    plan = scenarios(args)
-    largest = max(s.batch_size for s in plan)
-    if args.prompt_lens:
-        token_range = prompt_token_range(model, tokenizer)
-        workload = fixed_length_workload(
-            args.prompt_lens, seed=args.seed, output_len=args.new_tokens, token_range=token_range
-        )
-    else:
-        workload = sharegpt_workload(
-            largest,
-            seed=args.seed,
-            max_prompt=min(args.max_prompt, context - args.new_tokens),
-            max_output=args.new_tokens,
-            token_range=prompt_token_range(model, tokenizer),
-        )
-    results = [run_scenario(model, s, workload, pad_id, args) for s in tqdm(plan, desc="scenarios", unit="scenario")]
-    payload: dict[str, Any] = {
-        "benchmark": "decode",
-        "command": "python scripts/bench/generate/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "args": vars(args),
-        "model": model.name_or_path,
-        "dtype": str(model.dtype),
-        "attn_implementation": model.config._attn_implementation,
-        "workload": workload.summary(),
-        "scenarios": results,
-        "targets": targets(results),
-    }
-    write_json(args.out, payload, args.device)
-    print_report(payload)
-    return payload
-
-
-def print_report(payload: dict[str, Any]) -> None:
+def print_runs_report(payload: dict[str, Any]) -> None:
     rows = []
     for res in payload["scenarios"]:
         for variant, s in res["summary"].items():
@@ -365,6 +460,115 @@ def print_report(payload: dict[str, Any]) -> None:
     print(format_table(rows, list(rows[0])))
     for key, target in payload["targets"].items():
         print(f"target {key}: {target}")
+
+
+def new_cache(model: PreTrainedModel, variant: str, prompt_lens: list[int], steps: int, block_size: int) -> Any:
+    if variant == "dynamic":
+        return DynamicCache(config=model.config)
+    # the prefill, then `steps` forwards of one token: as generate with steps + 1 new tokens stores
+    blocks = paged_pool_blocks(prompt_lens, steps + 1, expand=1, block_size=block_size)
+    return PagedCache(model, block_size=block_size, num_blocks=blocks)
+
+
+def forward(model: PreTrainedModel, variant: str, cache: Any, input_ids: torch.Tensor,
+            mask: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """One forward of `variant` over `input_ids` ``[B, q]``: its last-position logits ``[B, V]`` and its
+    seconds."""
+    # [B, q]: each new token's count of real tokens before it, as generate computes positions
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+    with variant_attention(model, variant):
+        synchronize(input_ids.device)
+        start = time.perf_counter()
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        synchronize(input_ids.device)
+        seconds = time.perf_counter() - start
+    return out.logits[:, -1].float(), seconds
+
+
+@dataclass
+class LogitComparison:
+    """Each variant's last-position logits against the first variant's, step after step."""
+
+    variants: list[str]
+    max_abs_logit: float = 0.0  # the first variant's largest |logit|: what the differences compare with
+    max_diff: dict[str, float] = field(default_factory=dict)  # per other variant: its largest |difference|
+    same_tokens: dict[str, bool] = field(default_factory=dict)  # per other variant: every greedy choice agreed
+
+    def add(self, logits: dict[str, torch.Tensor]) -> None:
+        """Compare one forward's logits ``[B, V]`` of every variant."""
+        reference = logits[self.variants[0]]
+        self.max_abs_logit = max(self.max_abs_logit, float(reference.abs().max()))
+        for v in self.variants[1:]:
+            self.max_diff[v] = max(self.max_diff.get(v, 0.0), float((logits[v] - reference).abs().max()))
+            agree = bool(torch.equal(logits[v].argmax(-1), reference.argmax(-1)))
+            self.same_tokens[v] = self.same_tokens.get(v, True) and agree
+
+
+def alternate_steps(model: PreTrainedModel, batch: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill every variant's cache, then alternate the decode steps: per variant its step times and how its
+    logits compare with the first variant's (``variants``), and the largest |logit| seen (``max_abs_logit``)."""
+    variants, total = args.variants, args.warmup_steps + args.steps
+    caches = {v: new_cache(model, v, args.prompt_lens, total, args.block_size) for v in variants}
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    comparison = LogitComparison(variants)
+    mask = batch["attention_mask"]  # [B, S]
+    with torch.inference_mode():
+        logits = {v: forward(model, v, caches[v], batch["input_ids"], mask)[0] for v in variants}  # prefill
+        comparison.add(logits)
+        for step in range(total):
+            new_ids = logits[variants[0]].argmax(-1, keepdim=True)  # [B, 1]
+            mask = torch.cat([mask, torch.ones_like(new_ids)], dim=1)  # [B, S + step + 1]
+            turn = step % len(variants)
+            for v in variants[turn:] + variants[:turn]:
+                logits[v], took = forward(model, v, caches[v], new_ids, mask)
+                if step >= args.warmup_steps:
+                    seconds[v].append(took)
+            comparison.add(logits)
+    for cache in caches.values():
+        if isinstance(cache, PagedCache):
+            cache.release()
+    return {"max_abs_logit": comparison.max_abs_logit, "variants": summarize_steps(seconds, comparison)}
+
+
+def summarize_steps(seconds: dict[str, list[float]], comparison: LogitComparison) -> dict[str, Any]:
+    """Per variant: median and quartiles of its step times; for the others, of the per-step ratios of the first
+    variant's time to theirs (> 1: faster), and their logit comparison."""
+    first = comparison.variants[0]
+    results: dict[str, Any] = {}
+    for v, own in seconds.items():
+        step_ms = [s * 1e3 for s in own]
+        results[v] = {"step_ms": median(step_ms),
+                      "step_ms_quartiles": [percentile(step_ms, 0.25), percentile(step_ms, 0.75)],
+                      "step_seconds": own}
+        if v != first:
+            speed = [b / s for b, s in zip(seconds[first], own, strict=True)]
+            results[v] |= {"speed": median(speed),
+                           "speed_quartiles": [percentile(speed, 0.25), percentile(speed, 0.75)],
+                           "max_abs_logit_diff": comparison.max_diff[v],
+                           "same_greedy_tokens": comparison.same_tokens[v]}
+    return results
+
+
+def print_steps_report(payload: dict[str, Any]) -> None:
+    args = payload["args"]
+    rows = []
+    for variant, r in payload["variants"].items():
+        rows.append({
+            "cache": variant,
+            "ms / step": r["step_ms"],
+            "quartiles": "{:.1f}-{:.1f}".format(*r["step_ms_quartiles"]),
+            f"speed vs {payload['reference']}": r.get("speed", ""),
+            "quartiles of the ratio": "{:.3f}-{:.3f}".format(*r["speed_quartiles"]) if "speed" in r else "",
+            "max |logit diff|": f"{r['max_abs_logit_diff']:.1e}" if "speed" in r else "",
+            "same tokens": r.get("same_greedy_tokens", ""),
+        })
+    narrowed_to = f" narrowed to hidden size {payload['hidden_size']} (--fixed-cost)" if args["fixed_cost"] else ""
+    print(f"\n{payload['model']}{narrowed_to} {payload['dtype']}, {payload['threads']} threads, "
+          f"{len(payload['prompt_lens'])} rows, {args['steps']} decode steps alternated "
+          f"(after {args['warmup_steps']} untimed)")
+    print(format_table(rows, list(rows[0])))
+    print(f"largest |logit| of {payload['reference']}: {payload['max_abs_logit']:.1f}")
 
 
 if __name__ == "__main__":
