@@ -43,9 +43,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.paged_cache import PagedCache
-from ..errors import PoolExhaustedError, RequestCancelled
+from ..errors import PoolExhaustedError
 from .admission import lifetimes_in_flight, pool_holds
+from .admission_rules import blocks_needed, fills_a_group, fits_with_headroom, never_fits, waits_for_prefix
 from .inbox import Inbox
+from .outcomes import Counts, Outcomes
 from .request import Request
 from .steps import Chunk, StepPlan, StepResult
 
@@ -59,23 +61,9 @@ class Prefill:
     done: int
 
 
-@dataclass(frozen=True)
-class Counts:
-    """The scheduler's state at the last step boundary (what `ContinuousBatcher.stats` reports)."""
-
-    waiting: int = 0  # taken from the inbox, not started (preempted ones included)
-    prefilling: int = 0
-    running: int = 0
-    finished: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    preemptions: int = 0  # running requests preempted (to be computed again)
-    prefill_retries: int = 0  # prefilling requests sent back to the queue for want of blocks
-    prefix_hit_tokens: int = 0  # prompt tokens taken from the pool's prefix cache at admission
-
-
 class Scheduler:
-    """Decides what runs next on one pool; see the module docstring for the policy."""
+    """Decides what runs next on one pool; see the module docstring for the policy (its rules for one request
+    are in `admission_rules` and `admission`; what became of the requests that left, in `outcomes`)."""
 
     def __init__(
         self,
@@ -98,8 +86,7 @@ class Scheduler:
         self.prefilling: list[Prefill] = []
         self.running: list[Request] = []
         self._requeued: set[Request] = set()  # waiting requests that started before (not counted by the inbox)
-        self._tally = dict(finished=0, failed=0, cancelled=0, preemptions=0, prefill_retries=0, prefix_hit_tokens=0)
-        self._ended: list[tuple[Request, BaseException | None]] = []  # handles to end once `counts` shows them
+        self.outcomes = Outcomes()  # what became of the requests that left, and the totals
         self.counts = Counts()
 
     @property
@@ -129,7 +116,7 @@ class Scheduler:
                 prefill.cache.release()  # its full blocks stay findable by prefix
         rows = [row for row, request in enumerate(self.running) if request.handle.cancel_requested]
         for row in rows:
-            self._cancel(self.running[row])
+            self.outcomes.cancel(self.running[row])
         self._drop_rows(rows)
         self._publish()
 
@@ -153,12 +140,12 @@ class Scheduler:
         leaving = []
         for row, request in enumerate(plan.running):
             if request in result.failures:
-                self._finish(request, result.failures[request])
+                self.outcomes.finish(request, result.failures[request])
                 leaving.append(row)
             elif request in result.choices:
                 request.accept(result.choices[request])
                 if result.choices[request].finished:
-                    self._finish(request)
+                    self.outcomes.finish(request)
                     leaving.append(row)
         self._drop_rows(leaving)
         for chunk in reversed(plan.chunks):  # reversed: requests sent back queue up in their order
@@ -186,19 +173,19 @@ class Scheduler:
         if not picked:  # the prompt's forward failed (or every choice's pick): each choice fails with it
             prefill.cache.release()
             for member in members:
-                self._finish(member, result.failures.get(member, result.failures.get(request)))
+                self.outcomes.finish(member, result.failures.get(member, result.failures.get(request)))
             return
         self._record_prompt_logprobs(request, result)
         request.followers = []  # from here on each choice is a request of its own
         joining = []
         for member in members:
             if member not in result.choices:
-                self._finish(member, result.failures[member])
+                self.outcomes.finish(member, result.failures[member])
                 continue
             member.prompt_logprobs = list(request.prompt_logprobs)
             member.accept(result.choices[member])
             if result.choices[member].finished:
-                self._finish(member)
+                self.outcomes.finish(member)
             else:
                 joining.append(member)
         for member in joining[:-1]:  # the other choices share every block of the prompt (copy-on-write)
@@ -226,19 +213,13 @@ class Scheduler:
             if self._prefix_in_progress(request):
                 waiting_for_prefix.append(self.waiting.popleft())
                 continue
-            needed = self._blocks_needed(len(request.tokens) + 1)
-            too_big = [
-                (n, blocks, group) for n, blocks, group in zip(needed, self.pool.groups, self.pool.layer_groups)
-                if blocks.max_blocks is not None and n > blocks.capacity
-            ]
-            if too_big:  # more than the whole (fixed) pool: it could never run
-                n, blocks, group = too_big[0]
+            needed = blocks_needed(self.pool, len(request.tokens) + 1)
+            error = never_fits(self.pool, needed)
+            if error is not None:  # more than the whole (fixed) pool: it could never run
                 self.waiting.popleft()
                 self._left_queue(request)
-                name = group.name if len(self.pool.groups) > 1 else None
-                error = PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name)
                 for member in request.group:
-                    self._finish(member, error)
+                    self.outcomes.finish(member, error)
                 continue
             if not self._admissible(request, needed):
                 if not (request.followers and self._in_flight() == 0):
@@ -249,22 +230,16 @@ class Scheduler:
             self._left_queue(request)
             cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if request.takes_cached_prefix else 0
-            self._tally["prefix_hit_tokens"] += done
+            self.outcomes.tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
         self.waiting.extendleft(reversed(waiting_for_prefix))
 
     def _prefix_in_progress(self, request: Request) -> bool:
-        """Whether a prefilling request is computing full blocks that `request`'s prompt starts with and the
-        pool has not cached yet: `request` would compute them a second time, when it could take them from the
-        prefix cache a few steps later."""
+        """Whether `request` should wait for full blocks a prefilling request is computing (`waits_for_prefix`)."""
         if not request.takes_cached_prefix:
             return False
-        tokens, size = request.tokens, self.pool.block_size
-        usable = (len(tokens) - 1) // size  # a prefix hit leaves at least one token to compute
-        return any(
-            _common_full_blocks(tokens, prefill.request.tokens, usable, size) > prefill.done // size
-            for prefill in self.prefilling
-        )
+        prefilling = ((prefill.request.tokens, prefill.done) for prefill in self.prefilling)
+        return waits_for_prefix(request.tokens, prefilling, self.pool.block_size)
 
     def _admissible(self, request: Request, needed: list[int]) -> bool:
         """Whether `request` may start now, beside the requests in flight, in every layer group.
@@ -274,8 +249,7 @@ class Scheduler:
         prompt and next token) fits with one block of headroom per request in flight.
         """
         if not self.reserve_new_tokens:
-            in_flight = self._in_flight() + len(request.group)
-            return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, self.pool.groups))
+            return fits_with_headroom(self.pool, needed, self._in_flight() + len(request.group))
         prefilling = [(p.request, p.done) for p in self.prefilling]
         lifetimes = lifetimes_in_flight(self.running, prefilling, request, self.max_step_tokens, self.pool.block_size)
         return pool_holds(self.pool, lifetimes, [self.running_cache, *(p.cache for p in self.prefilling)])
@@ -291,9 +265,6 @@ class Scheduler:
     def _in_flight(self) -> int:
         """Requests prefilling (each choice of a prompt counted) or running."""
         return len(self.running) + sum(len(prefill.request.group) for prefill in self.prefilling)
-
-    def _blocks_needed(self, num_tokens: int) -> list[int]:
-        return [group.max_blocks_per_row(num_tokens, self.pool.block_size) for group in self.pool.layer_groups]
 
     # ------------------------------------------------------------------ leaving
 
@@ -319,24 +290,17 @@ class Scheduler:
             prefill.cache.release()  # its full blocks stay findable by prefix
             self._requeue(prefill.request, "prefill_retries")
             return
-        if len(self.running) == 1 and self._fills_a_group(self.running_cache):
-            self._finish(self.running[0], error)
+        if len(self.running) == 1 and fills_a_group(self.pool, self.running_cache):
+            self.outcomes.finish(self.running[0], error)
         else:
             self._requeue(self.running[-1], "preemptions")
         self._drop_rows([len(self.running) - 1])
-
-    def _fills_a_group(self, cache: PagedCache) -> bool:
-        """Whether `cache`'s own blocks are all a fixed layer group holds (nothing anyone frees would help)."""
-        return any(
-            blocks.max_blocks is not None and len(tables.unique_blocks()) >= blocks.capacity
-            for tables, blocks in zip(cache.batch.groups, self.pool.groups)
-        )
 
     def _requeue(self, request: Request, counter: str) -> None:
         """Queue a started request first again (its blocks are freed by the caller)."""
         self.waiting.appendleft(request)
         self._requeued.add(request)
-        self._tally[counter] += 1
+        self.outcomes.tally[counter] += 1
 
     def _left_queue(self, request: Request) -> None:
         """`request` leaves the waiting queue (started, or gone): the inbox counts the ones it queued."""
@@ -353,7 +317,7 @@ class Scheduler:
             return request
         for member in request.group:
             if member.handle.cancel_requested:
-                self._cancel(member)
+                self.outcomes.cancel(member)
         request.followers = []
         if not members:
             return None
@@ -361,32 +325,22 @@ class Scheduler:
         leader.prompt_logprobs = request.prompt_logprobs
         return leader
 
-    def _cancel(self, request: Request) -> None:
-        self._tally["cancelled"] += 1
-        self._ended.append((request, RequestCancelled(f"request {request.id} was cancelled")))
-
-    def _finish(self, request: Request, error: BaseException | None = None) -> None:
-        self._tally["failed" if error is not None else "finished"] += 1
-        self._ended.append((request, error))
-
     def _publish(self) -> None:
         """Show the state in `counts`, then end the handles of the requests that left (so that a caller woken by
         its handle reads counts that include it)."""
         waiting = sum(len(request.group) for request in self.waiting)
         prefilling = sum(len(prefill.request.group) for prefill in self.prefilling)
-        self.counts = Counts(waiting, prefilling, len(self.running), **self._tally)
-        ended, self._ended = self._ended, []
-        for request, error in ended:
-            request.handle._finish(error, None if error is not None else request.finish_reason)
+        self.counts = self.outcomes.counts(waiting, prefilling, len(self.running))
+        self.outcomes.end_handles()
 
     def fail_in_flight(self, error: BaseException) -> None:
         """A step failed outside any one request: fail every request in flight with `error`, free their blocks."""
         for prefill in self.prefilling:
             prefill.cache.release()
             for member in prefill.request.group:
-                self._finish(member, error)
+                self.outcomes.finish(member, error)
         for request in self.running:
-            self._finish(request, error)
+            self.outcomes.finish(request, error)
         self.prefilling, self.running = [], []
         self.running_cache.reset()
         self._publish()
@@ -397,14 +351,7 @@ class Scheduler:
         for request in self.waiting:
             self._left_queue(request)
             for member in request.group:
-                self._finish(member, error)
+                self.outcomes.finish(member, error)
         self.waiting.clear()
         self.fail_in_flight(error)
 
-
-def _common_full_blocks(a: list[int], b: list[int], limit: int, size: int) -> int:
-    """How many of the first `limit` blocks of `size` tokens `a` and `b` have in common, whole and in order."""
-    for i in range(min(limit, len(b) // size)):
-        if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
-            return i
-    return min(limit, len(b) // size)

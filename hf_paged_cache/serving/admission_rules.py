@@ -1,0 +1,64 @@
+"""The scheduler's rules for starting and preempting requests, each a question about one request and the pool.
+
+Whether a request may start at all (`never_fits`), whether it should wait for a prefix another request is
+computing (`waits_for_prefix`), whether it fits now without reservation (`fits_with_headroom`; with
+reservation, `admission.pool_holds`), and whether a running request can never grow (`fills_a_group`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import PoolExhaustedError
+
+if TYPE_CHECKING:
+    from ..cache.paged_cache import PagedCache
+    from ..pool.kv_pool import KVPool
+
+
+def blocks_needed(pool: KVPool, num_tokens: int) -> list[int]:
+    """Per layer group of `pool`, the blocks one row of `num_tokens` tokens holds."""
+    return [group.max_blocks_per_row(num_tokens, pool.block_size) for group in pool.layer_groups]
+
+
+def never_fits(pool: KVPool, needed: Sequence[int]) -> PoolExhaustedError | None:
+    """The error for a request that needs `needed` blocks per group when, in some fixed group, that is more
+    than the whole group (it could never run); None when every group could hold it."""
+    for n, blocks, group in zip(needed, pool.groups, pool.layer_groups):
+        if blocks.max_blocks is not None and n > blocks.capacity:
+            name = group.name if len(pool.groups) > 1 else None
+            return PoolExhaustedError(n, blocks.num_free, blocks.capacity, blocks.block_size, name)
+    return None
+
+
+def fits_with_headroom(pool: KVPool, needed: Sequence[int], in_flight: int) -> bool:
+    """Whether `needed` blocks per group fit now with one block of headroom for each of `in_flight` requests
+    (the requests in flight and the one to start): admission without reservation."""
+    return all(blocks.can_allocate(n + in_flight) for n, blocks in zip(needed, pool.groups))
+
+
+def waits_for_prefix(tokens: list[int], prefilling: Iterable[tuple[list[int], int]], block_size: int) -> bool:
+    """Whether a prompt of `tokens` starts with full blocks that a prefilling request (its tokens, and how many
+    it has computed) is computing and the pool has not cached yet: starting now would compute them a second
+    time, when the prefix cache holds them a few steps later."""
+    usable = (len(tokens) - 1) // block_size  # a prefix hit leaves at least one token to compute
+    return any(
+        common_full_blocks(tokens, other, usable, block_size) > done // block_size for other, done in prefilling
+    )
+
+
+def fills_a_group(pool: KVPool, cache: PagedCache) -> bool:
+    """Whether `cache`'s own blocks are all a fixed layer group of `pool` holds (nothing anyone frees would help)."""
+    return any(
+        blocks.max_blocks is not None and len(tables.unique_blocks()) >= blocks.capacity
+        for tables, blocks in zip(cache.batch.groups, pool.groups)
+    )
+
+
+def common_full_blocks(a: list[int], b: list[int], limit: int, size: int) -> int:
+    """How many of the first `limit` blocks of `size` tokens `a` and `b` have in common, whole and in order."""
+    for i in range(min(limit, len(b) // size)):
+        if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
+            return i
+    return min(limit, len(b) // size)
