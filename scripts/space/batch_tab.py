@@ -85,29 +85,19 @@ def parse_prompts(text: str | None) -> list[str]:
     return prompts
 
 
-def run_batch(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    pools: SharedPools,
-    prompts_text: str,
-    *,
-    system_prompt: str = "",
-    max_new_tokens: float = 48,
-    block_size: float = 16,
-    block_budget: float = 64,
-    share_prefix: bool = True,
-    kv_dtype: str | None = None,
-    on_wait: Callable[[str], None] | None = None,
-) -> BatchResult:
+def run_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pools: SharedPools, prompts_text: str, *,
+              system_prompt: str = "", max_new_tokens: float = 48, block_size: float = 16, block_budget: float = 64,
+              share_prefix: bool = True, kv_dtype: str | None = None,
+              on_wait: Callable[[str], None] | None = None) -> BatchResult:
     """Run the prompts as one ragged batch through `generate` with a `PagedCache` on the shared pool.
 
     Each prompt is chat-templated (with `system_prompt` if given). With `share_prefix`, the whole blocks at
     the start that every row has in common (the system prompt) are prefilled once and every row shares their
     blocks rather than copying them (`prefill_sharing_prefix`); the answers are those of the unshared batch,
     sliding-window models included. `kv_dtype` picks the pool (keys and values as the model computes them, or
-    int8 in a pool of the same bytes holding more blocks). The
-    request is admitted only if its worst case (`blocks_needed`) fits `block_budget`; it then waits in the
-    pool's `WaitingLine` until those blocks are free (`on_wait(message)` is called if it has to wait).
+    int8 in a pool of the same bytes holding more blocks). The request is admitted only if its worst case
+    (`blocks_needed`) fits `block_budget`; it then waits in the pool's `WaitingLine` until those blocks are
+    free (`on_wait(message)` is called if it has to wait).
 
     Raises:
         InputError: for inputs out of bounds (the message says which and why); text is measured before it
@@ -120,8 +110,7 @@ def run_batch(
     system_prompt = bounded_text(system_prompt, "The system prompt", MAX_SYSTEM_CHARS)
     max_new_tokens = bounded_int(max_new_tokens, "max_new_tokens", 1, MAX_NEW_TOKENS)
     line = pools.line(bounded_int(block_size, "Block size", 1, 1 << 20), kv_dtype)  # InputError unless offered
-    pool = line.pool
-    block_size = pool.block_size
+    pool, block_size = line.pool, line.pool.block_size
     block_budget = bounded_int(block_budget, "Block budget", 1, pool.blocks.capacity)
     rows = batch_rows(model, tokenizer, prompts, system_prompt, max_new_tokens)
     shared = shared_prefix_length(rows, block_size) if share_prefix else 0

@@ -169,8 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="exact prompt lengths of the batch, e.g. 60,1000 or 300x16, instead of --batch-sizes and "
                         "the ShareGPT draw (default: none; with --per-step 512)")
     parser.add_argument("--variants", default=None,
-                        help=f"caches to compare (per step: the first is the reference), from {','.join(VARIANTS)} (default: "
-                        f"{','.join(DEFAULT_VARIANTS)}; with --per-step {','.join(STEP_VARIANTS)})")
+                        help=f"caches to compare (per step: the first is the reference), from {','.join(VARIANTS)} "
+                        f"(default: {','.join(DEFAULT_VARIANTS)}; with --per-step {','.join(STEP_VARIANTS)})")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
     parser.add_argument("--pad-heap", action="store_true",
                         help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) "

@@ -41,8 +41,9 @@ Commands (the numbers and chart in docs/benchmarks.md; the second: 16 requests a
 batch; the third: float32 against bfloat16 on the batcher)::
 
     python scripts/bench/serving/bench_serving.py --threads 2 --out results/bench_serving.json
-    python scripts/bench/serving/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 --min-prompt 50 \
-        --max-prompt 250 --min-new 32 --max-new 93 --contenders dynamic,batcher --out results/bench_serving_16.json
+    python scripts/bench/serving/bench_serving.py --threads 2 --repeats 5 --workload uniform --num-requests 16 \
+        --min-prompt 50 --max-prompt 250 --min-new 32 --max-new 93 --contenders dynamic,batcher \
+        --out results/bench_serving_16.json
     python scripts/bench/serving/bench_serving.py --threads 2 --dtypes float32,bfloat16 --packed-linears \
         --contenders batcher --num-requests 32 --budget 1GiB --repeats 3 --skip-check \
         --out results/bench_serving_model_dtype.json
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts, outputs = requests(args, model, tokenizer)
     per_token = kv_bytes_per_token(model.config, model.dtype)
     row_blocks = -(-(args.max_prompt + args.max_new) // args.block_size)  # a row's blocks at most
-    budget = parse_memory(args.budget) if args.budget else (args.batch_size * row_blocks + 1) * args.block_size * per_token
+    one_batch = (args.batch_size * row_blocks + 1) * args.block_size * per_token  # + 1: the null block
+    budget = parse_memory(args.budget) if args.budget else one_batch
     stock = {dtype: m.config._attn_implementation for dtype, m in models.items()}
     several = len(models) > 1
     pairs = {(f"{c}@{d}" if several else c): (c, d) for d in args.dtypes for c in args.contenders}
