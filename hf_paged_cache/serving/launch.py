@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body; larger get 413 (default: 4 MiB)")
     parser.add_argument("--max-schema-bytes", type=_positive, default=64 * 1024,
                         help="largest JSON schema, regex or grammar a request may send (default: 65536)")
+    parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
+                        help="how the model writes tool calls: <tool_call> tags (Hermes, Qwen, SmolLM) or Llama 3's "
+                             "JSON (default: hermes)")
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file, instead of the tokenizer's")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
     parser.add_argument("--shutdown-grace", type=_seconds, default=30.0,
@@ -262,4 +265,5 @@ def server_settings(options: argparse.Namespace) -> ServerSettings:
         model_name=options.served_model_name or options.model, model_root=options.model, api_key=options.api_key,
         metrics_need_key=options.metrics_need_key, max_n=options.max_n, max_body_bytes=options.max_body_bytes,
         shutdown_grace=options.shutdown_grace, max_schema_bytes=options.max_schema_bytes,
+        tool_call_parser=options.tool_call_parser,
     )

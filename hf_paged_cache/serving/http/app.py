@@ -31,7 +31,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
-from ...structured import GrammarError
+from ...structured import GrammarError, GrammarSpec
 from .auth import ApiKeyMiddleware
 from .chat import ChatFormatter
 from .completions import CompletionFormatter
@@ -68,6 +68,7 @@ from .protocol import (
     TokenizeResponse,
 )
 from .settings import ServerSettings
+from .tools import tool_request
 
 logger = logging.getLogger("hf_paged_cache.serve")
 
@@ -159,15 +160,18 @@ def build_app(
         check_model(body.model, settings.model_name)
         refuse_unsupported(body)
         logprobs = chat_logprobs(body)
-        prompt = chat_prompt(body.messages, engine, add_generation_prompt=body.add_generation_prompt)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, settings.tool_call_parser)
+        prompt = chat_prompt(body.messages, engine, add_generation_prompt=body.add_generation_prompt,
+                             tools=body.tools if tools is not None else None)
         options = generation_options(
             body, [prompt], max_model_len=engine.max_model_len, max_n=settings.max_n,
             max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=logprobs, prompt_logprobs=None,
             prompt_param="messages",
         )
-        options = _constrained(options, body, engine, settings, metrics)
+        options = _constrained(options, body, engine, settings, metrics,
+                               tool_grammar=tools.grammar if tools is not None else None)
         formatter = ChatFormatter(engine, model=settings.model_name, logprobs=logprobs,
-                                  tokens_as_ids=body.return_tokens_as_token_ids)
+                                  tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
         return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
 
     @app.post("/tokenize", responses=_errors(400, *key, 404, 413, 500, 503))
@@ -258,11 +262,20 @@ def _model_card(settings: ServerSettings, engine: EngineClient, created: int) ->
 
 def _constrained(
     options: GenerationOptions, body: SamplingRequest, engine: EngineClient, settings: ServerSettings,
-    metrics: ServerMetrics,
+    metrics: ServerMetrics, tool_grammar: GrammarSpec | None = None,
 ) -> GenerationOptions:
     """`options` with the grammar the request holds its answer to (compiled, or from the cache), if any; a 400
-    naming the field when the engine cannot compile it."""
+    naming the field when the engine cannot compile it. `tool_grammar`: the tool call that ``tool_choice``
+    requires, which excludes any other constraint."""
     spec, param = grammar_spec(body, settings.max_schema_bytes)
+    if tool_grammar is not None:
+        if spec is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} decides the answer's form: {param} cannot be set "
+                                "too", param=param, code="invalid_value")
+        spec, param = tool_grammar, "tools"
+        if len(spec.source.encode("utf-8")) > settings.max_schema_bytes:
+            raise APIError(400, f"the tools' parameter schemas are over this server's --max-schema-bytes of "
+                                f"{settings.max_schema_bytes}", param="tools", code="schema_too_large")
     if spec is None:
         return options
     try:

@@ -16,6 +16,10 @@ from .engine import EngineClient
 from .generation import ChoiceResult, Generation
 from .protocol import (
     AssistantMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -25,6 +29,7 @@ from .protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from .tools import ToolRequest
 
 
 class ChatFormatter:
@@ -35,22 +40,36 @@ class ChatFormatter:
         model: the model name the responses carry.
         logprobs: alternatives per token (None: no logprobs).
         tokens_as_ids: name tokens ``token_id:N`` in logprobs.
+        tools: the request's tools, whose calls are parsed out of each answer (None: no tools). A streamed
+            answer with tools is held back until it ends, then sent as its content and its calls' deltas.
     """
 
-    def __init__(self, engine: EngineClient, *, model: str, logprobs: int | None, tokens_as_ids: bool):
+    def __init__(self, engine: EngineClient, *, model: str, logprobs: int | None, tokens_as_ids: bool,
+                 tools: ToolRequest | None = None):
         self.engine = engine
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
         self.logprobs = logprobs
         self.tokens_as_ids = tokens_as_ids
+        self.tools = tools
 
     def response(self, generation: Generation, results: Sequence[ChoiceResult]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(index=result.index, message=AssistantMessage(content=result.text),
-                       logprobs=self._logprobs(result.logprobs), finish_reason=result.finish_reason)
-            for result in results
-        ]
+        choices = []
+        for result in results:
+            content, calls = self._calls(result.text)
+            message = AssistantMessage(content=content, tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls
+            ] or None)
+            choices.append(ChatChoice(index=result.index, message=message, logprobs=self._logprobs(result.logprobs),
+                                      finish_reason=self._finish_reason(result.finish_reason, calls)))
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage(generation, results))
+
+    def _calls(self, text: str) -> tuple[str | None, list]:
+        return (text, []) if self.tools is None else self.tools.calls(text)
+
+    @staticmethod
+    def _finish_reason(reason: str | None, calls: list) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
 
     async def chunks(self, generation: Generation, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
         """The role chunk of every choice, then one chunk per update, then usage if asked."""
@@ -59,6 +78,11 @@ class ChatFormatter:
             yield self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(role="assistant", content="")))
         async for update in generation:
             results[update.index].add(update)
+            if self.tools is not None:
+                if update.finish_reason:
+                    for chunk in self._tool_chunks(results[update.index]):
+                        yield chunk
+                continue
             if not (update.text or update.finish_reason or (update.tokens and self.logprobs is not None)):
                 continue
             yield self._chunk(ChatStreamChoice(
@@ -68,6 +92,23 @@ class ChatFormatter:
             ))
         if include_usage:
             yield ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage(generation, results))
+
+    def _tool_chunks(self, result: ChoiceResult) -> list[ChatCompletionChunk]:
+        """A finished answer of a request with tools: its content, each call (its id and name, then its
+        arguments) and the finish reason, as OpenAI streams them."""
+        content, calls = self._calls(result.text)
+        chunks = []
+        if content:
+            chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(content=content))))
+        for number, call in enumerate(calls):
+            opening = DeltaToolCall(index=number, id=call.id, type="function",
+                                    function=DeltaFunctionCall(name=call.name, arguments=""))
+            arguments = DeltaToolCall(index=number, function=DeltaFunctionCall(arguments=call.arguments))
+            for part in (opening, arguments):
+                chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(tool_calls=[part]))))
+        chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(),
+                                                   finish_reason=self._finish_reason(result.finish_reason, calls))))
+        return chunks
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])

@@ -109,14 +109,16 @@ class EngineClient:
         """One token's own text, special tokens included (how logprobs name it)."""
         return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """`messages` through the chat template (`ValueError` when there is none, or it refuses them)."""
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """`messages` (and `tools`, OpenAI's tool objects) through the chat template (`ValueError` when there is
+        none, or it refuses them)."""
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; start the server with --chat-template FILE")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, tools=tools,
             )
         except TemplateError as error:
             raise ValueError(f"the chat template refused the messages: {error}") from error

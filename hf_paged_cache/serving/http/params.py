@@ -8,6 +8,9 @@ output and that the server cannot honour are refused by name, never ignored. Eve
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from ...structured import GrammarSpec
 from .engine import EngineClient, GenerationOptions
 from .errors import APIError
@@ -39,8 +42,8 @@ def refuse_unsupported(request: SamplingRequest) -> None:
     """400 for a parameter that would change the output and that the server does not implement."""
     unsupported = {
         "logit_bias": bool(request.logit_bias),
-        "tools": bool(request.tools),
-        "tool_choice": request.tool_choice not in (None, "none"),
+        "tools": bool(request.tools) and not isinstance(request, ChatCompletionRequest),
+        "tool_choice": request.tool_choice not in (None, "none") and not isinstance(request, ChatCompletionRequest),
         "functions": bool(request.functions),
         "function_call": request.function_call not in (None, "none"),
         "stream_options": request.stream_options is not None and not request.stream,
@@ -147,7 +150,7 @@ def echo_texts(request: CompletionRequest, prompts: list[list[int]], engine: Eng
     return [engine.decode(ids) for ids in prompts]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text only (content parts of type "text" are joined)."""
     plain = []
     for number, message in enumerate(messages):
@@ -161,14 +164,33 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = [_parsed_arguments(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         plain.append(entry)
     return plain
 
 
-def chat_prompt(messages: list[ChatMessage], engine: EngineClient, *, add_generation_prompt: bool = True) -> list[int]:
-    """The chat's token ids: its messages through the chat template (with the assistant's turn opened)."""
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call as chat templates take it: its arguments as an object (OpenAI sends JSON text)."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            function = {**function, "arguments": json.loads(function["arguments"])}
+        except json.JSONDecodeError:
+            pass
+        return {**call, "function": function}
+    return call
+
+
+def chat_prompt(messages: list[ChatMessage], engine: EngineClient, *, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat's token ids: its messages (and `tools`, if any) through the chat template (with the assistant's
+    turn opened)."""
     try:
-        text = engine.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt)
+        text = engine.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                  tools=tools)
     except ValueError as error:
         raise APIError(400, str(error), param="messages", code="chat_template") from error
     ids = engine.encode(text, add_special_tokens=False)  # the template writes the special tokens it wants

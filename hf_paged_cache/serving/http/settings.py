@@ -22,6 +22,7 @@ class ServerSettings:
         shutdown_grace: seconds requests in flight get to finish once shutting down.
         max_schema_bytes: the largest JSON schema, regular expression or grammar a request may constrain its
             answer with (400 beyond it).
+        tool_call_parser: how the model writes tool calls (`serving.http.tools.PARSERS`).
     """
 
     model_name: str
@@ -32,3 +33,4 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace: float = 30.0
     max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES
+    tool_call_parser: str = "hermes"
