@@ -6,6 +6,7 @@
 | ``GET /v1/models``, ``GET /v1/models/{id}`` | the served model (404 for another name) |
 | ``POST /v1/completions`` | text completion of one or more prompts, ``n`` choices each, streamed or not |
 | ``POST /v1/chat/completions`` | the messages through the chat template, then as a completion |
+| ``POST /v1/responses`` | OpenAI's Responses API (stateless), run as a chat completion |
 | ``POST /tokenize``, ``POST /detokenize`` | vLLM's: a prompt (or messages) to token ids, and back |
 | ``GET /metrics`` | Prometheus metrics of the app's own registry |
 | ``GET /openapi.json`` | the OpenAPI schema of the routes above: request bodies, answers and error objects |
@@ -63,10 +64,14 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
+from .responses import ResponsesFormatter, chat_request_for, responses_param
 from .settings import ServerSettings
 from .tools import tool_request
 
@@ -174,6 +179,36 @@ def build_app(
                                   tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
         return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
 
+    @app.post("/v1/responses", responses={
+        200: _answer_content(ResponseObject, chunk=ResponseEvent, done=False),
+        **_errors(400, *key, 404, 413, 429, 500, 503),
+    })
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        engine = lifecycle.engine()
+        check_model(body.model, settings.model_name)
+        try:
+            chat = chat_request_for(body)
+            refuse_unsupported(chat)
+            tools = tool_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls, settings.tool_call_parser)
+            prompt = chat_prompt(chat.messages, engine, tools=chat.tools if tools is not None else None)
+            options = generation_options(
+                chat, [prompt], max_model_len=engine.max_model_len, max_n=settings.max_n, max_tokens=chat.max_tokens,
+                logprobs=None, prompt_logprobs=None, prompt_param="messages",
+            )
+            options = _constrained(options, chat, engine, settings, metrics,
+                                   tool_grammar=tools.grammar if tools is not None else None)
+            generation = _start(engine, [prompt], options, "messages")
+        except APIError as error:
+            error.param = responses_param(error.param)
+            raise
+        formatter = ResponsesFormatter(body, model=settings.model_name, tools=tools)
+        if body.stream:
+            return _event_stream(formatter.events(generation), generation, named=True)
+        results = await _results_unless_disconnected(request, generation)
+        if results is None:
+            return Response(status_code=499)
+        return Response(formatter.response(generation, results[0]).model_dump_json(), media_type="application/json")
+
     @app.post("/tokenize", responses=_errors(400, *key, 404, 413, 500, 503))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         engine = lifecycle.engine()
@@ -223,18 +258,21 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return responses
 
 
-def _answer_content(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+def _answer_content(model: type[BaseModel], chunk: type[BaseModel], done: bool = True) -> dict[str, Any]:
     """The 200 of a completion route: `model` as JSON, or (``stream: true``) server-sent events, each event's
-    ``data`` a `chunk` or a failure's error object as JSON, then ``[DONE]``."""
-    event = {
-        "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
-        "if": {"properties": {"data": {"const": "[DONE]"}}},
-        "else": {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": {
-            "anyOf": [_inline_schema(chunk), _inline_schema(ErrorResponse)],
-        }}}},
-    }
+    ``data`` a `chunk` or a failure's error object as JSON, then ``[DONE]`` (unless not `done`: the Responses
+    API's stream ends with its last event)."""
+    data = {"contentMediaType": "application/json", "contentSchema": {
+        "anyOf": [_inline_schema(chunk), _inline_schema(ErrorResponse)],
+    }}
+    event: dict[str, Any] = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+    if done:
+        event |= {"if": {"properties": {"data": {"const": "[DONE]"}}}, "else": {"properties": {"data": data}}}
+    else:
+        event["properties"] = {"data": {"type": "string", **data}, "event": {"type": "string"}}
+    end = ", then `[DONE]`" if done else ""
     return {"model": model, "content": {"text/event-stream": {"schema": event}},
-            "description": f"the whole answer; with `stream: true`, one event per `{chunk.__name__}`, then `[DONE]`"}
+            "description": f"the whole answer; with `stream: true`, one event per `{chunk.__name__}`{end}"}
 
 
 def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -338,8 +376,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _event_stream(chunks: AsyncIterator[BaseModel], generation: Generation) -> EventSourceResponse:
-    """A server-sent event per chunk (``data: {json}``), then ``data: [DONE]``.
+def _event_stream(chunks: AsyncIterator[BaseModel], generation: Generation, named: bool = False) -> EventSourceResponse:
+    """A server-sent event per chunk (``data: {json}``), then ``data: [DONE]``; with `named` (the Responses API),
+    each event is named by its chunk's ``type`` and there is no ``[DONE]``.
 
     A failure mid-stream becomes an OpenAI error object as the last event. If the client goes away, the server
     cancels this generator; its ``finally`` cancels the request's choices.
@@ -348,13 +387,14 @@ def _event_stream(chunks: AsyncIterator[BaseModel], generation: Generation) -> E
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield format_sse_event(data_str=chunk.model_dump_json())
+                yield format_sse_event(data_str=chunk.model_dump_json(), event=chunk.type if named else None)
         except Exception as failure:  # noqa: BLE001 (reported to the client as the stream's last event)
             error = api_error_for(failure)
             log_if_server_error(error, failure)
-            yield format_sse_event(data_str=error.body().model_dump_json())
+            yield format_sse_event(data_str=error.body().model_dump_json(), event="error" if named else None)
         finally:
             generation.cancel()
-        yield format_sse_event(data_str="[DONE]")
+        if not named:
+            yield format_sse_event(data_str="[DONE]")
 
     return EventSourceResponse(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -311,3 +311,131 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+# ------------------------------------------------------------------ the Responses API (/v1/responses)
+
+
+class ResponsesTextFormat(_Request):
+    type: str  # "text", "json_object" or "json_schema"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Request):
+    format: ResponsesTextFormat | None = None
+
+
+class InputContentPart(_Request):
+    type: str  # "input_text" or "output_text"
+    text: str | None = None
+
+
+class InputItem(_Request):
+    """An item of ``input``: a message (``type`` "message" or left out), a function call the model made
+    (``function_call``) or its output (``function_call_output``)."""
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[InputContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class ResponsesRequest(_Request):
+    """``POST /v1/responses``: stateless (``previous_response_id`` is refused, nothing is stored)."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    text: ResponsesText | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    user: str | None = None
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(_Response):
+    type: Literal["message"] = "message"
+    id: str
+    status: str = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class OutputFunctionCall(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+class ResponsesUsage(_Response):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class IncompleteDetails(_Response):
+    reason: str
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: str  # "in_progress", "completed" or "incomplete"
+    model: str
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    usage: ResponsesUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ErrorInfo | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    previous_response_id: str | None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class ResponseEvent(_Response):
+    """One event of a streamed response; the fields other than `type` and `sequence_number` are those its type
+    carries (left out otherwise)."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    item_id: str | None = None
+    item: OutputMessage | OutputFunctionCall | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
