@@ -107,3 +107,28 @@ def test_batcher_requests_stop_when_the_grammar_ends(model, tokenizer, grammars)
         assert plain.result(timeout=60) == model.generate(torch.tensor([tokenizer.encode("ok?")]),
                                                           max_new_tokens=5, do_sample=False,
                                                           pad_token_id=0)[0, 3:].tolist()
+
+
+def test_preempted_constrained_requests_equal_each_run_alone(model, tokenizer, grammars):
+    """A pool too small for six sampled, constrained answers at once preempts some (their prompts and tokens
+    computed again, their processors asked for the mask of tokens they saw before): every answer still equals
+    the same request run alone, and is valid."""
+    specs = [GrammarSpec.json_schema(SCHEMA), GrammarSpec.regex(r"[a-z]{50,58}"),
+             GrammarSpec.choice(["x" * 55, "y" * 50])]
+
+    def submit(batcher, number):
+        grammar = grammars.compile(specs[number % len(specs)])
+        prompt = tokenizer.encode(f"request {number}:")
+        processor, stop = grammar_constraint(grammar, prompt_length=len(prompt))
+        return batcher.submit(prompt, max_new_tokens=60, do_sample=True, top_p=0.9, seed=number,
+                              logits_processor=[processor], stopping_criteria=[stop])
+
+    alone = []
+    with ContinuousBatcher(model, num_blocks=64, tokenizer=tokenizer) as batcher:
+        for number in range(6):
+            alone.append(submit(batcher, number).result(timeout=60))
+    with ContinuousBatcher(model, num_blocks=14, tokenizer=tokenizer, reserve_new_tokens=False) as batcher:
+        together = [submit(batcher, number) for number in range(6)]
+        assert [handle.result(timeout=120) for handle in together] == alone
+        assert batcher.stats().preemptions > 0
+    jsonschema.validate(json.loads(tokenizer.decode(alone[0], skip_special_tokens=True)), SCHEMA)

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from jinja2 import TemplateError
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from ...structured import CompiledGrammar, Grammars, GrammarSpec, grammar_constraint
+from ...structured import CompiledGrammar, GrammarError, Grammars, GrammarSpec, grammar_constraint
+from ..batcher import ContinuousBatcher
 from ..request import RequestHandle
 from ..validation import flat_token_ids
 from .detokenize import IncrementalDetokenizer
@@ -124,7 +125,11 @@ class EngineClient:
             raise ValueError(f"the chat template refused the messages: {error}") from error
 
     def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """`spec` compiled for the model's tokenizer (cached by spec); `GrammarError` names what is wrong."""
+        """`spec` compiled for the model's tokenizer (cached by spec); `GrammarError` names what is wrong, or
+        that the batcher runs elsewhere (Ray Serve replicas, which a compiled grammar cannot be sent to)."""
+        if not isinstance(self.batcher, ContinuousBatcher):
+            raise GrammarError("structured outputs and tool_choice required/named need the engine in this "
+                               "process: not available with --ray replicas")
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
