@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_server import KEY, NAME, chat_ids, generate_alone, metric, run_server
@@ -49,3 +51,34 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_structured_answers_on_the_default_model(default_model, tmp_path):
+    """The default model's byte-level BPE tokenizer (llguidance reads it from its JSON): a JSON-schema answer that
+    validates, a required tool call whose arguments validate, and a choice, through the official client."""
+    jsonschema = pytest.importorskip("jsonschema")
+    _, _, folder = default_model
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0},
+                                               "tags": {"type": "array", "items": {"enum": ["big", "old", "wet"]},
+                                                        "minItems": 1, "maxItems": 2}},
+              "required": ["city", "population", "tags"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+    with run_server(folder, tmp_path / "server.log", "--max-memory", "64MiB") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        answer = client.chat.completions.create(
+            model=NAME, messages=ask, max_tokens=80, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+        assert answer.choices[0].finish_reason == "stop"
+        call = client.chat.completions.create(model=NAME, messages=ask, max_tokens=80, temperature=0, tools=[tool],
+                                              tool_choice="required").choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        choice = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is Paris in "
+                                                "France? Answer yes or no."}], max_tokens=5, temperature=0,
+                                                extra_body={"guided_choice": ["yes", "no"]})
+        assert choice.choices[0].message.content in ("yes", "no")
