@@ -132,3 +132,13 @@ def test_preempted_constrained_requests_equal_each_run_alone(model, tokenizer, g
         assert [handle.result(timeout=120) for handle in together] == alone
         assert batcher.stats().preemptions > 0
     jsonschema.validate(json.loads(tokenizer.decode(alone[0], skip_special_tokens=True)), SCHEMA)
+
+
+def test_the_mask_leaves_the_callers_logits_alone(grammars):
+    """Log-probabilities and the other choices of a prompt read the same logits after the processor ran."""
+    processor, _ = grammar_constraint(grammars.compile(GrammarSpec.regex("[0-9]+")), prompt_length=0)
+    logits = torch.randn(1, 96)
+    before = logits.clone()
+    masked = processor(torch.tensor([[]], dtype=torch.long), logits)
+    torch.testing.assert_close(logits, before)
+    assert 0 < int((masked > -torch.inf).sum()) <= 10

@@ -77,23 +77,24 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # [1, W / 32]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """`scores` ``[B, V]`` with the tokens each row's grammar bans at -inf, as a new tensor (the caller's
+        logits stay as they were: log-probabilities and the other choices of a prompt read them)."""
         start = time.perf_counter()
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]
         width = self.grammar.tokenizer.vocab_size
+        bias = torch.full_like(scores, -torch.inf)  # [B, V]: ids past the tokenizer are never text
         for row, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
             matcher = self.matcher_for(ids)
             if matcher is None:
-                scores[row] = -torch.inf  # its tokens left the grammar: nothing can follow (the caller fails it)
-                continue
+                continue  # its tokens left the grammar: nothing can follow (the caller fails it)
             llguidance.torch.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
             bits = numpy.unpackbits(self._bitmask[0].numpy().view(numpy.uint8), bitorder="little")[:width]
             allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.int32)  # [width]: 1 allowed
-            scores[row, :width] += _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
-            scores[row, width:] = -torch.inf  # ids past the tokenizer are never text
+            bias[row, :width] = _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
         if self.on_mask is not None:
             self.on_mask(time.perf_counter() - start)
-        return scores
+        return scores + bias
 
     def matcher_for(self, tokens: Sequence[int]) -> _Matcher | None:
         """A matcher that has consumed exactly `tokens` (None when they leave the grammar)."""
