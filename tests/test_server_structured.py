@@ -42,6 +42,9 @@ PERSON = {
     "required": ["name", "age", "role", "tags", "address"],
     "additionalProperties": False,
 }
+DEEP: dict = {}
+for _ in range(70):
+    DEEP = {"type": "array", "items": DEEP}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +141,7 @@ def test_cut_by_max_tokens_is_length(client):
     ({"guided_json": {"type": "string", "maxLength": 3000, "description": "x" * MAX_SCHEMA_BYTES}}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_json": DEEP}, "guided_json"),  # 70 levels, over MAX_SCHEMA_DEPTH (64)
 ])
 def test_bad_constraint_is_a_400_naming_it(server, body, param):
     response = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},

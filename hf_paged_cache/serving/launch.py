@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body; larger get 413 (default: 4 MiB)")
     parser.add_argument("--max-schema-bytes", type=_positive, default=64 * 1024,
                         help="largest JSON schema, regex or grammar a request may send (default: 65536)")
+    parser.add_argument("--grammar-compile-timeout", type=_seconds, default=10.0,
+                        help="seconds a request's schema or grammar may take to compile; 400 beyond (default: 10)")
     parser.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                         help="how the model writes tool calls: <tool_call> tags (Hermes, Qwen, SmolLM) or Llama 3's "
                              "JSON (default: hermes)")
@@ -265,5 +267,5 @@ def server_settings(options: argparse.Namespace) -> ServerSettings:
         model_name=options.served_model_name or options.model, model_root=options.model, api_key=options.api_key,
         metrics_need_key=options.metrics_need_key, max_n=options.max_n, max_body_bytes=options.max_body_bytes,
         shutdown_grace=options.shutdown_grace, max_schema_bytes=options.max_schema_bytes,
-        tool_call_parser=options.tool_call_parser,
+        tool_call_parser=options.tool_call_parser, grammar_compile_timeout=options.grammar_compile_timeout,
     )

@@ -149,7 +149,7 @@ def build_app(
             body, prompts, max_model_len=engine.max_model_len, max_n=settings.max_n, max_tokens=body.max_tokens,
             logprobs=body.logprobs, prompt_logprobs=echo_logprobs, prompt_param="prompt",
         )
-        options = _constrained(options, body, engine, settings, metrics)
+        options = await _constrained(options, body, engine, settings, metrics)
         formatter = CompletionFormatter(
             engine, model=settings.model_name, prompts=prompts, prompt_texts=echo_texts(body, prompts, engine),
             echo=body.echo, logprobs=body.logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
@@ -173,7 +173,7 @@ def build_app(
             max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=logprobs, prompt_logprobs=None,
             prompt_param="messages",
         )
-        options = _constrained(options, body, engine, settings, metrics,
+        options = await _constrained(options, body, engine, settings, metrics,
                                tool_grammar=tools.grammar if tools is not None else None)
         formatter = ChatFormatter(engine, model=settings.model_name, logprobs=logprobs,
                                   tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
@@ -195,7 +195,7 @@ def build_app(
                 chat, [prompt], max_model_len=engine.max_model_len, max_n=settings.max_n, max_tokens=chat.max_tokens,
                 logprobs=None, prompt_logprobs=None, prompt_param="messages",
             )
-            options = _constrained(options, chat, engine, settings, metrics,
+            options = await _constrained(options, chat, engine, settings, metrics,
                                    tool_grammar=tools.grammar if tools is not None else None)
             generation = _start(engine, [prompt], options, "messages")
         except APIError as error:
@@ -298,13 +298,14 @@ def _model_card(settings: ServerSettings, engine: EngineClient, created: int) ->
                      max_model_len=engine.max_model_len)
 
 
-def _constrained(
+async def _constrained(
     options: GenerationOptions, body: SamplingRequest, engine: EngineClient, settings: ServerSettings,
     metrics: ServerMetrics, tool_grammar: GrammarSpec | None = None,
 ) -> GenerationOptions:
     """`options` with the grammar the request holds its answer to (compiled, or from the cache), if any; a 400
-    naming the field when the engine cannot compile it. `tool_grammar`: the tool call that ``tool_choice``
-    requires, which excludes any other constraint."""
+    naming the field when the engine cannot compile it, or not within ``--grammar-compile-timeout`` (compiling
+    runs on a thread, so other requests' streams go on meanwhile). `tool_grammar`: the tool call that
+    ``tool_choice`` requires, which excludes any other constraint."""
     spec, param = grammar_spec(body, settings.max_schema_bytes)
     if tool_grammar is not None:
         if spec is not None:
@@ -317,9 +318,13 @@ def _constrained(
     if spec is None:
         return options
     try:
-        grammar = engine.compile_grammar(spec)
+        grammar = await asyncio.wait_for(asyncio.to_thread(engine.compile_grammar, spec),
+                                         settings.grammar_compile_timeout)
     except GrammarError as error:
         raise APIError(400, f"{param}: {error}", param=param, code="invalid_grammar") from error
+    except TimeoutError as error:
+        raise APIError(400, f"{param}: the grammar did not compile within {settings.grammar_compile_timeout} s",
+                       param=param, code="grammar_timeout") from error
     metrics.structured_requests.labels(spec.kind).inc()
     return dataclasses.replace(options, grammar=grammar)
 

@@ -60,6 +60,21 @@ def refuse_unsupported(request: SamplingRequest) -> None:
             raise APIError(400, f"{name} is not supported here: {why}", param=name, code="unsupported_parameter")
 
 
+MAX_SCHEMA_DEPTH = 64  # objects and arrays in a JSON schema, nested (the engine recurses over them)
+
+
+def _depth(text: str) -> int:
+    """How deeply JSON `text` nests objects and arrays (brackets in strings counted too: an upper bound)."""
+    depth = deepest = 0
+    for character in text:
+        if character in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif character in "]}":
+            depth -= 1
+    return deepest
+
+
 def grammar_spec(request: SamplingRequest, max_schema_bytes: int) -> tuple[GrammarSpec | None, str | None]:
     """The constraint the request puts on its answer and the field it came from (None, None: none).
 
@@ -110,6 +125,9 @@ def grammar_spec(request: SamplingRequest, max_schema_bytes: int) -> tuple[Gramm
         raise APIError(400, f"give at most one constraint on the answer, got {names}", param=found[1][0],
                        code="invalid_value")
     param, spec = found[0]
+    if spec.kind == "json_schema" and _depth(spec.source) > MAX_SCHEMA_DEPTH:
+        raise APIError(400, f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param,
+                       code="schema_too_deep")
     if len(spec.source.encode("utf-8")) > max_schema_bytes:
         raise APIError(400, f"{param} is {len(spec.source.encode('utf-8'))} bytes, over this server's "
                             f"--max-schema-bytes of {max_schema_bytes}", param=param, code="schema_too_large")

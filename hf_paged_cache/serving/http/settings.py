@@ -23,6 +23,8 @@ class ServerSettings:
         max_schema_bytes: the largest JSON schema, regular expression or grammar a request may constrain its
             answer with (400 beyond it).
         tool_call_parser: how the model writes tool calls (`serving.http.tools.PARSERS`).
+        grammar_compile_timeout: seconds a request's grammar may take to compile (400 beyond; the first
+            constrained request also reads the tokenizer's vocabulary, about 0.5 s for 49,152 tokens).
     """
 
     model_name: str
@@ -34,3 +36,4 @@ class ServerSettings:
     shutdown_grace: float = 30.0
     max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES
     tool_call_parser: str = "hermes"
+    grammar_compile_timeout: float = 10.0
