@@ -146,3 +146,20 @@ def test_unknown_tool_choice_is_refused():
 
 def _escaped(text: str) -> str:
     return "".join("\\" + c if c in "\\.^$|?*+()[]{}" else c for c in text).replace("\n", "\\n")
+
+
+def test_auto_streams_content_as_it_comes_and_calls_at_the_end(client):
+    """Text that cannot be a call is streamed token by token; the call comes whole after it."""
+    regex = _escaped("Sure thing. " + SCRIPTED)
+    contents, calls = [], []
+    for chunk in ask(client, stream=True, extra_body={"guided_regex": regex}):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                contents.append(choice.delta.content)
+            calls += choice.delta.tool_calls or []
+    assert "".join(contents) == "Sure thing." and len(contents) > 3
+    assert [c.function.name for c in calls if c.function.name] == ["add"]
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"a": 1, "b": 2}
+    plain = [choice.delta.content for chunk in ask(client, stream=True, extra_body={"guided_regex": "no tools here"})
+             for choice in chunk.choices if choice.delta.content]
+    assert "".join(plain) == "no tools here" and len(plain) > 3

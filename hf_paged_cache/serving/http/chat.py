@@ -41,7 +41,8 @@ class ChatFormatter:
         logprobs: alternatives per token (None: no logprobs).
         tokens_as_ids: name tokens ``token_id:N`` in logprobs.
         tools: the request's tools, whose calls are parsed out of each answer (None: no tools). A streamed
-            answer with tools is held back until it ends, then sent as its content and its calls' deltas.
+            answer with tools sends the text that cannot be part of a call as it comes (`sure_content`), and
+            its calls' deltas once it ends.
     """
 
     def __init__(self, engine: EngineClient, *, model: str, logprobs: int | None, tokens_as_ids: bool,
@@ -76,12 +77,21 @@ class ChatFormatter:
         results = [ChoiceResult(choice.index, choice.prompt_index) for choice in generation.choices]
         for result in results:
             yield self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(role="assistant", content="")))
+        sent: dict[int, str] = {}  # with tools: the content each choice has streamed, known not to be a call
         async for update in generation:
             results[update.index].add(update)
             if self.tools is not None:
+                result = results[update.index]
                 if update.finish_reason:
-                    for chunk in self._tool_chunks(results[update.index]):
+                    for chunk in self._tool_chunks(result, sent.get(update.index, "")):
                         yield chunk
+                    continue
+                sure = result.text[: self.tools.parser.sure_content(result.text)]
+                already = sent.get(update.index, "")
+                if len(sure) > len(already):
+                    sent[update.index] = sure
+                    yield self._chunk(ChatStreamChoice(index=update.index,
+                                                       delta=DeltaMessage(content=sure[len(already):])))
                 continue
             if not (update.text or update.finish_reason or (update.tokens and self.logprobs is not None)):
                 continue
@@ -93,13 +103,14 @@ class ChatFormatter:
         if include_usage:
             yield ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage(generation, results))
 
-    def _tool_chunks(self, result: ChoiceResult) -> list[ChatCompletionChunk]:
-        """A finished answer of a request with tools: its content, each call (its id and name, then its
-        arguments) and the finish reason, as OpenAI streams them."""
+    def _tool_chunks(self, result: ChoiceResult, sent: str) -> list[ChatCompletionChunk]:
+        """The end of a streamed answer of a request with tools: the rest of its content (after `sent`), each call
+        (its id and name, then its arguments) and the finish reason, as OpenAI streams them."""
         content, calls = self._calls(result.text)
+        rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
         chunks = []
-        if content:
-            chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(content=content))))
+        if rest:
+            chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(content=rest))))
         for number, call in enumerate(calls):
             opening = DeltaToolCall(index=number, id=call.id, type="function",
                                     function=DeltaFunctionCall(name=call.name, arguments=""))

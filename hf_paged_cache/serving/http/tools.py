@@ -66,6 +66,11 @@ class ToolCallParser:
         """The answer's content (None when only calls) and the calls it holds (none: the text is all content)."""
         raise NotImplementedError
 
+    def sure_content(self, text: str) -> int:
+        """How much of `text`, an answer so far, is content whatever follows (streamed before the answer ends):
+        nothing here; each format says more."""
+        return 0
+
     def _call(self, data: Any) -> ParsedCall | None:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
@@ -81,6 +86,19 @@ class HermesParser(ToolCallParser):
         schema = {"anyOf": [_call_schema(function, self.arguments_key) for function in functions],
                   "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as GrammarSpec.json_schema
         return GrammarSpec.lark(f'start: "{self.START}\\n" call "\\n{self.END}"\ncall: %json {json.dumps(schema)}')
+
+    def sure_content(self, text: str) -> int:
+        """Up to the first ``<tool_call>`` (or the start of one that may be coming), without the whitespace before
+        it, which `parse` strips once there is a call."""
+        end = text.find(self.START)
+        if end < 0:
+            end = len(text)
+            for length in range(min(len(self.START) - 1, len(text)), 0, -1):
+                if self.START.startswith(text[-length:]):
+                    end = len(text) - length
+                    break
+        kept = text[:end].rstrip()
+        return len(kept) if kept.strip() and not text[:1].isspace() else 0
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         calls = []
@@ -103,6 +121,11 @@ class Llama3JsonParser(ToolCallParser):
 
     def grammar(self, functions: list[dict[str, Any]]) -> GrammarSpec:
         return GrammarSpec.json_schema({"anyOf": [_call_schema(function, self.arguments_key) for function in functions]})
+
+    def sure_content(self, text: str) -> int:
+        """All of it once it starts with something else than ``{`` (then it is not a call)."""
+        stripped = text.lstrip()
+        return len(text) if stripped and not stripped.startswith("{") else 0
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         stripped = text.strip()
