@@ -177,3 +177,20 @@ def test_metrics_count_constrained_requests(client, server):
     text = httpx.get(server.url + "/metrics").text
     assert re.search(r'hf_paged_cache_structured_requests_total\{kind="choice"\} [1-9]', text)
     assert re.search(r"hf_paged_cache_grammar_mask_seconds_count [1-9]", text)
+
+
+def test_logprobs_and_stop_are_those_of_the_model(client):
+    """A regex that spells out the unconstrained greedy answer changes nothing: the same text, and the same
+    log-probabilities (taken from the model's logits, not the masked ones); a stop string still cuts it."""
+    free = chat(client, "spell", temperature=0, max_tokens=12, logprobs=True, top_logprobs=2).choices[0]
+    pattern = re.escape(free.message.content)
+    held = chat(client, "spell", temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+                extra_body={"guided_regex": pattern}).choices[0]
+    assert held.message.content == free.message.content
+    assert [t.logprob for t in held.logprobs.content] == pytest.approx([t.logprob for t in free.logprobs.content])
+    assert [[a.token for a in t.top_logprobs] for t in held.logprobs.content] == \
+        [[a.token for a in t.top_logprobs] for t in free.logprobs.content]
+    stop = free.message.content[4:6]
+    cut = chat(client, "spell", temperature=0, max_tokens=12, stop=[stop], extra_body={"guided_regex": pattern})
+    assert cut.choices[0].message.content == free.message.content.split(stop)[0]
+    assert cut.choices[0].finish_reason == "stop"
