@@ -142,3 +142,20 @@ def test_the_mask_leaves_the_callers_logits_alone(grammars):
     masked = processor(torch.tensor([[]], dtype=torch.long), logits)
     torch.testing.assert_close(logits, before)
     assert 0 < int((masked > -torch.inf).sum()) <= 10
+
+
+def test_many_rows_share_a_processor_within_its_matcher_bound(grammars, tokenizer):
+    """Each row (of a batch in generate, or a choice of a prompt) keeps a matcher of its own, never rolled back
+    onto another row's branch; past MAX_MATCHERS the least recently used go, and a row whose matcher went is
+    replayed from its tokens, with the same mask."""
+    from hf_paged_cache.structured.processor import MAX_MATCHERS
+
+    processor, _ = grammar_constraint(grammars.compile(GrammarSpec.regex("[a-z]{3}[0-9]")), prompt_length=0)
+    letters = [tokenizer.convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyz"]
+    rows = [[a, b] for a in letters[:9] for b in letters[:9]]  # 81 rows, each its own matcher
+    assert len(rows) > MAX_MATCHERS
+    masks = [processor(torch.tensor([row]), torch.zeros(1, 96)) for row in rows]
+    assert len(processor._matchers) == MAX_MATCHERS
+    again = processor(torch.tensor([rows[0]]), torch.zeros(1, 96))  # its matcher was evicted: replayed
+    torch.testing.assert_close(again, masks[0])
+    assert int((masks[0] > -torch.inf).sum()) == 26

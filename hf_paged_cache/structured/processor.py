@@ -43,11 +43,12 @@ class _Matcher:
         self.used = 0  # when the processor last used it (its call count), for eviction
 
     def follow(self, tokens: list[int]) -> bool:
-        """Bring it to having consumed exactly `tokens`; False when it cannot (they leave the grammar)."""
-        if self.consumed != tokens[: len(self.consumed)]:
-            keep = _common_prefix(self.consumed, tokens)
-            self.engine.rollback(len(self.consumed) - keep)
-            del self.consumed[keep:]
+        """Bring it to having consumed exactly `tokens` (it consumed a prefix of them, or they are a prefix of what
+        it consumed); False when it cannot (they leave the grammar, or the rollback is refused)."""
+        if len(self.consumed) > len(tokens):
+            if not self.engine.rollback(len(self.consumed) - len(tokens)):
+                return False  # past what it can undo (or after an error): the caller starts a fresh one
+            del self.consumed[len(tokens):]
         for token in tokens[len(self.consumed):]:
             if not self.engine.consume_token(token):
                 return False
@@ -108,9 +109,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
             if not matcher.follow(tokens):
                 return None
             self._matchers.append(matcher)
-            if len(self._matchers) > MAX_MATCHERS:
-                self._matchers.remove(min(self._matchers, key=lambda m: m.used))
         matcher.used = self._calls
+        if len(self._matchers) > MAX_MATCHERS:
+            self._matchers.remove(min(self._matchers, key=lambda m: m.used))  # the least recently used
         return matcher
 
     def finished(self, tokens: Sequence[int]) -> bool:
@@ -119,12 +120,21 @@ class GrammarLogitsProcessor(LogitsProcessor):
         return matcher is not None and matcher.engine.is_stopped()
 
     def _nearest(self, tokens: list[int]) -> _Matcher | None:
-        """The kept matcher that shares the longest prefix with `tokens` (ties: the most recently used)."""
-        best, best_keep = None, -1
+        """The kept matcher that reaches `tokens` with the least work: one that consumed a prefix of them (the
+        longest), else one that consumed them and more (the fewest more: a dropped step, a token the stopping
+        check consumed); None when every kept matcher is on another branch (another row's or choice's), which
+        is left alone for its own row."""
+        best, best_work = None, None
         for matcher in self._matchers:
-            keep = _common_prefix(matcher.consumed, tokens)
-            if keep > best_keep or (keep == best_keep and matcher.used > best.used):
-                best, best_keep = matcher, keep
+            consumed = matcher.consumed
+            if consumed == tokens[: len(consumed)]:
+                work = len(tokens) - len(consumed)
+            elif tokens == consumed[: len(tokens)]:
+                work = len(consumed) - len(tokens)
+            else:
+                continue
+            if best_work is None or work < best_work:
+                best, best_work = matcher, work
         return best
 
 
@@ -146,15 +156,3 @@ def grammar_constraint(
     """The logits processor and the stopping criterion that hold an answer to `grammar`, as a pair."""
     processor = GrammarLogitsProcessor(grammar, prompt_length, on_mask)
     return processor, GrammarStop(processor)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    if a == b[: len(a)]:
-        return len(a)
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
