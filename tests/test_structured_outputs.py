@@ -5,6 +5,8 @@ recomputation) rather than counting calls."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -159,3 +161,13 @@ def test_many_rows_share_a_processor_within_its_matcher_bound(grammars, tokenize
     again = processor(torch.tensor([rows[0]]), torch.zeros(1, 96))  # its matcher was evicted: replayed
     torch.testing.assert_close(again, masks[0])
     assert int((masks[0] > -torch.inf).sum()) == 26
+
+
+def test_importing_the_server_compiles_nothing():
+    """``llguidance.torch`` runs ``torch.compile`` at import, loading inductor into every server (and failing
+    where inductor cannot load); the structured room must reach llguidance only through its numpy helpers."""
+    code = ("import sys, hf_paged_cache.serving.http.app; "
+            "print(sorted(m for m in sys.modules if m in ('llguidance.torch', 'torch._inductor.compile_fx')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -9,7 +9,9 @@ again, a step that is dropped, a request preempted and recomputed, or the severa
 ``model.generate(..., logits_processor=[...])``, where each row of the batch is one answer.
 
 The bitmask is unpacked with plain tensor ops rather than llguidance's ``apply_token_bitmask_inplace``, which is
-a ``torch.compile`` kernel (seconds of compiling on its first call, and a C compiler on the machine): the bits
+a ``torch.compile`` kernel (seconds of compiling on its first call, and a C compiler on the machine), and
+``llguidance.torch`` is never imported (it compiles that kernel at import, which loads inductor into every
+server): the mask is filled through ``llguidance.numpy`` and the bits
 unpacked by numpy index a two-entry table of biases (-inf, 0) added to the scores, branch-free, about 60 us on a
 49,152-token row where a masked fill takes 250 us.
 
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
@@ -75,7 +77,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self.on_mask = on_mask
         self._matchers: list[_Matcher] = []
         self._calls = 0
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # [1, W / 32]
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # [1, W / 32]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """`scores` ``[B, V]`` with the tokens each row's grammar bans at -inf, as a new tensor (the caller's
@@ -89,8 +91,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
             matcher = self.matcher_for(ids)
             if matcher is None:
                 continue  # its tokens left the grammar: nothing can follow (the caller fails it)
-            llguidance.torch.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
-            bits = numpy.unpackbits(self._bitmask[0].numpy().view(numpy.uint8), bitorder="little")[:width]
+            llguidance.numpy.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
+            bits = numpy.unpackbits(self._bitmask[0].view(numpy.uint8), bitorder="little")[:width]
             allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.int32)  # [width]: 1 allowed
             bias[row, :width] = _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
         if self.on_mask is not None:
