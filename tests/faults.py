@@ -10,6 +10,8 @@ Each fault raises `Injected` (or another error) from a hook on the model, so the
   to change while another thread runs a forward).
 - `RaiseInChoice`: a logits processor (passed to `submit(logits_processor=...)`) that raises, to fail a
   request's token choice `times` times.
+- `Force`: a logits processor that makes a request pick a given token at a given step (a token the model
+  then refuses, with `poison`).
 """
 
 from __future__ import annotations
@@ -82,4 +84,17 @@ class RaiseInChoice(LogitsProcessor):
         if self.times is None or self.fired < self.times:
             self.fired += 1
             raise Injected("injected in token choice")
+        return scores
+
+
+class Force(LogitsProcessor):
+    """Makes the request pick `token` at its `at`-th new token."""
+
+    def __init__(self, token: int, at: int, prompt_length: int):
+        self.token, self.at, self.prompt_length = token, at, prompt_length
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] - self.prompt_length == self.at:
+            scores = torch.full_like(scores, -float("inf"))
+            scores[:, self.token] = 0
         return scores

@@ -241,7 +241,8 @@ def fast_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     Natively: a CUDA GPU that supports bfloat16, or a CPU with AMX or AVX512-BF16 instructions, which oneDNN's
     bfloat16 kernels use (`cpu_capability`, which ``HF_PAGED_CACHE_CPU_CAPABILITY`` caps). Elsewhere bfloat16
     products are emulated with float32 arithmetic, and float32 is chosen. In bfloat16 a paged cache is as close
-    to the float32 model as `DynamicCache` in bfloat16 is (`tests/test_model_dtype.py`), not token-identical to it.
+    to the float32 model as `DynamicCache` in bfloat16 is (`tests/models/test_model_dtype.py`), not token-identical
+    to it.
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -33,7 +33,7 @@ The model's dtype (``--dtypes float32,bfloat16``, the first the reference): one 
 every contender runs on each (named ``contender@dtype``), all alternated in the same rounds. Each is then also
 compared with the same contender on the reference dtype: per round the ratio of tokens/s and its median, the
 requests whose tokens are all the reference's, and the mean position of the first different token among the
-others (reduced precision follows its own rounding at near-ties; see `tests/test_model_dtype.py` for the
+others (reduced precision follows its own rounding at near-ties; see `tests/models/test_model_dtype.py` for the
 logits). ``--packed-linears`` multiplies through oneDNN-packed weights (``pack_linears``, as the server does on
 a CPU) on every model alike.
 
