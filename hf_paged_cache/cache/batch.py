@@ -90,6 +90,27 @@ class PagedBatch:
                 tables.drop_blocks_before(kept)
         self.is_real = is_real
 
+    def drop_drafts(self, removed: Sequence[int]) -> None:
+        """Forget each row's last `removed[b]` tokens (real ones: the rejected drafts of the step that wrote
+        them), their blocks going back, and shift each row right by as many positions (padding in front), so
+        that every row's real tokens stay contiguous at its end. Call under `lock`, before the step's blocks
+        are registered."""
+        for tables in self.groups:
+            tables.truncate(removed)
+        length = self.is_real.shape[1]
+        shift = torch.tensor(removed, device=self.is_real.device).unsqueeze(1)  # [B, 1]
+        source = torch.arange(length, device=self.is_real.device).unsqueeze(0) - shift  # [B, L]: column it takes
+        self.is_real = self.is_real.gather(1, source.clamp(min=0)) & (source >= 0)  # [B, L]
+
+    def fit_windows(self) -> None:
+        """Sliding groups give back the blocks their next queries no longer see (unless `record_past`)."""
+        if self.record_past:
+            return
+        for tables, window in zip(self.groups, self.windows):
+            kept = keep_from(self.is_real, window)
+            if kept is not None:
+                tables.drop_blocks_before(kept)
+
     def reset(self) -> None:
         """Give every block back, those an unfinished step took included, and forget every row."""
         with self.lock:

@@ -38,6 +38,10 @@ class ForwardSteps:
     blocks. Sliding-window groups keep only what their next queries can see, except while the batch's
     `record_past` is set (transformers sets it before forwards it may `crop`): then steps keep every block and
     `PagedBatch.truncate` trims.
+
+    A forward's last new tokens may be drafts (speculative decoding: `expect_drafts` before it): `commit` then
+    keeps each row's first ``keep[b]`` new tokens and drops the rest before any block of the step is registered,
+    so nothing unverified is ever found by prefix; sliding windows keep what the shortest outcome needs.
     """
 
     def __init__(self, batch: PagedBatch, layers: Sequence[PagedLayer], manual_commit: bool):
@@ -46,6 +50,7 @@ class ForwardSteps:
         self.manual_commit = manual_commit  # a complete step waits for `commit` or `settle`
         self.step: Step | None = None  # the step in progress, if any
         self.pending = PendingInputs()  # the next forward's padding mask, ids and positions
+        self.drafts = 0  # the next forward's last new tokens per row that `commit` may drop (`expect_drafts`)
 
     # ------------------------------------------------------------------ a forward's layers
 
@@ -81,6 +86,7 @@ class ForwardSteps:
         step = self.step
         if step is None:
             self.pending.clear()  # the forward raised before its first layer
+            self.drafts = 0
         elif failed or not step.complete:
             self.settle()
         elif step.commit_at_end and not self.manual_commit:
@@ -119,7 +125,11 @@ class ForwardSteps:
         is_real = torch.cat([batch.is_real.to(device), real.to(device)], dim=1)  # [B, L + q]
         stored = batch.tables.num_tokens if rows else [0] * batch_size
         token_ids = prefix_token_ids(stored, past_length, new_real, new_ids, positions)
-        kept = [None if batch.record_past else keep_from(is_real, window) for window in batch.windows]
+        drafts, self.drafts = self.drafts, 0
+        if drafts and (new_real is not None or drafts >= query_length):
+            raise ValueError(f"{drafts} drafts need a forward of more new tokens ({query_length}), none of them padding")
+        settled = is_real[:, : is_real.shape[1] - drafts]  # [B, L + q - drafts]: what every outcome keeps
+        kept = [None if batch.record_past else keep_from(settled, window) for window in batch.windows]
         try:
             for group, tables in enumerate(batch.groups):
                 self._plan(group, tables, real.sum(dim=1).tolist(), token_ids, kept[group], sources)
@@ -127,7 +137,7 @@ class ForwardSteps:
             batch.restore(undo)
             raise
         step = Step(batch_size, query_length, past_length, new_real is None, undo, kept, num_layers, sources,
-                    thread=threading.get_ident(), commit_at_end=hooked)
+                    thread=threading.get_ident(), commit_at_end=hooked, drafts=drafts)
         batch.is_real = is_real
         # MLA models expand the cached latent into keys and values after `update`: attention cannot read the pool
         step.from_pool = attention in PAGED_ATTENTION_NAMES and not batch.pool.layout.latent
@@ -166,21 +176,39 @@ class ForwardSteps:
         """The step in progress's slot index for layer group `group` on `device`."""
         return build_index(self.step, group, self.batch.groups[group], self.batch.is_real, device)
 
-    def commit(self) -> None:
+    def expect_drafts(self, drafts: int) -> None:
+        """The next forward's last `drafts` new tokens of each row are drafts that `commit` may drop."""
+        self.drafts = drafts
+
+    def commit(self, keep: Sequence[int] | None = None) -> None:
         """Keep the step in progress (every layer has written it), register the blocks it filled, and give
         back the blocks that sliding windows no longer need.
 
-        Nothing to do when no step is in progress. Raises `RuntimeError` if the forward did not finish.
+        `keep`: per row, how many of its new tokens to keep (the others, at the end, are rejected drafts:
+        `expect_drafts`); their blocks go back before the step's full blocks are registered. Nothing to do
+        when no step is in progress. Raises `RuntimeError` if the forward did not finish, `ValueError` (the
+        step still pending) if `keep` would drop more than its drafts.
         """
         step = self.step
         if step is None:
             return
         if not step.complete:
             raise RuntimeError("the last forward on this cache did not finish: settle() it instead of commit()")
+        removed = None if keep is None else [step.query_length - k for k in keep]
+        if removed is not None and (len(removed) != step.batch_size or not all(0 <= r <= step.drafts for r in removed)):
+            raise ValueError(f"keep={list(keep)}: each of {step.batch_size} rows keeps between "
+                             f"{step.query_length - step.drafts} and {step.query_length} new tokens")
         with self.batch.lock:
             self.step = None
+            if removed is not None and any(removed):
+                self.batch.drop_drafts(removed)
             for tables in self.batch.groups:
                 tables.commit()
+            if removed is not None and any(removed):
+                self.batch.fit_windows()
+                drop = self.batch.drop_leading_padding()
+                for layer in self.layers:
+                    layer.length -= drop
 
     def rollback(self) -> int:
         """Undo the step in progress: its blocks, copies and rows. Returns the length to go back to."""

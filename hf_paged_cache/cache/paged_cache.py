@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -146,12 +147,17 @@ class PagedCache(BlockSharing, Cache):
         `manual_commit`, it waits for `commit()`), or rolls it back when the forward raised anywhere."""
         self.steps.forward_ended(failed)
 
-    def commit(self) -> None:
-        """Keep the step of the last forward (with `manual_commit`; other caches commit by themselves).
+    def commit(self, keep: Sequence[int] | None = None) -> None:
+        """Keep the step of the last forward (with `manual_commit`; other caches commit by themselves); with
+        `keep`, only each row's first ``keep[b]`` new tokens (the rest are drafts: `expect_drafts`).
 
         Nothing to do when no step is pending. Raises `RuntimeError` if the last forward did not finish.
         """
-        self.steps.commit()
+        self.steps.commit(keep)
+
+    def expect_drafts(self, drafts: int) -> None:
+        """The next forward's last `drafts` new tokens per row are drafts `commit(keep=...)` may drop."""
+        self.steps.expect_drafts(drafts)
 
     def settle(self) -> None:
         """Roll back the step not committed, if any: one that a failed forward left unfinished or, with

@@ -113,6 +113,7 @@ class Step:
     from_pool: bool = False  # attention (paged_sdpa) reads K/V straight from the pool: no dense gather
     thread: int = 0  # threading.get_ident() of the thread running the forward
     commit_at_end: bool = False  # the model's forward hook keeps (or drops) it when the forward ends
+    drafts: int = 0  # each row's last new tokens that `commit` may drop (speculative decoding's drafts)
     layers_done: int = 0
     index: dict[tuple[int, torch.device], StepIndex] = field(default_factory=dict)  # per (group, device)
 
