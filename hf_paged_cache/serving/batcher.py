@@ -31,6 +31,7 @@ from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
+from .speculation import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
 from .steps import StepTimes
 from .validation import flat_token_ids
 
@@ -66,6 +67,7 @@ class BatcherStats:
     prefix_hit_tokens: int  # prompt tokens taken from the pool's prefix cache instead of computed
     groups: tuple[GroupUsage, ...]
     steps: StepTimes  # the steps run so far, and their time, by kind
+    speculation: SpeculationStats = SpeculationStats()  # draft tokens proposed and kept (``speculative=``)
 
 
 class ContinuousBatcher:
@@ -90,6 +92,11 @@ class ContinuousBatcher:
             the pool runs out).
         pack_steps: run each step's prompt chunks and decode rows in one packed forward (needs
             ``paged_sdpa``; turned off by itself for a model that cannot); False runs them one by one.
+        speculative: ``"ngram"`` verifies draft tokens looked up in each request's own prompt and output, up
+            to `speculative_tokens` per row, in the decode steps where that is expected to pay
+            (`hf_paged_cache.serving.speculation`); greedy requests give the same tokens, sampled ones the
+            same distribution; a `Speculator` of your own sets how. None (the default) or ``"off"``: one
+            token per row and step.
 
     `submit` is thread-safe and starts the loop on first use. `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back. A batcher dropped without `close` finishes the requests
@@ -111,7 +118,11 @@ class ContinuousBatcher:
         reserve_new_tokens: bool = True,
         pack_steps: bool = True,
         kv_dtype: str | torch.dtype | None = None,
+        speculative: str | Speculator | None = None,
+        speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     ):
+        if not isinstance(speculative, Speculator) and speculative not in (None, "off", "ngram"):
+            raise ValueError(f"speculative={speculative!r}: expected 'ngram', 'off' or None")
         self.model = model
         if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
             try:
@@ -134,7 +145,10 @@ class ContinuousBatcher:
             max_step_tokens=as_count("max_step_tokens", max_step_tokens or DEFAULT_MAX_STEP_TOKENS, 1),
             reserve_new_tokens=reserve_new_tokens,
         )
-        self._executor = StepExecutor(model, pack_steps)
+        speculator = speculative if isinstance(speculative, Speculator) else None
+        if speculative == "ngram":
+            speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
+        self._executor = StepExecutor(model, pack_steps, speculator)
         # blocks freed by any cache on the pool wake a loop that waits for room (held weakly by the pool)
         self._listeners = [blocks.add_free_listener(self._inbox.wake) for blocks in self.pool.groups]
         self._ids = itertools.count()
@@ -206,6 +220,7 @@ class ContinuousBatcher:
             preemptions=counts.preemptions, prefill_retries=counts.prefill_retries,
             packed_steps=self._executor.packed_steps,
             prefix_hit_tokens=counts.prefix_hit_tokens, groups=tuple(groups), steps=self._executor.times,
+            speculation=self._executor.speculator.stats if self._executor.speculator else SpeculationStats(),
         )
 
     def close(self, timeout: float = 0.0) -> None:

@@ -15,6 +15,12 @@ is isolated:
    fails alone, the rows run once more together, and if that fails too, the fault is no single request's:
    every row of the step fails with it (never with a wrong token).
 
+With a `Speculator`, a step of decode rows only may carry draft tokens (`serving.speculation`): the rows and
+their drafts run in one forward of 1 + k positions per row, each row keeps the drafts the model agrees with
+and one token of its own after them, and the cache drops the rest (`PagedCache.commit` with ``keep``). A
+speculative step that fails in any way (a forward, a pick, no blocks for the drafts) is dropped whole and
+the step runs again without drafts, isolated as above.
+
 Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
 fails alone and the others keep their tokens. The decode rows of plain greedy requests (`Request.greedy`) take
 the first maximum of their logits in one reduction for all of them; a row whose maximum is not finite goes
@@ -37,7 +43,8 @@ from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from .packed import packed_forward
 from .logprobs import token_logprobs
-from .request import Request
+from .request import Choice, Request
+from .speculation import Drafts, Speculator
 from .steps import Chunk, StepPlan, StepResult, StepTimes
 
 T = TypeVar("T")
@@ -48,18 +55,30 @@ class StepExecutor:
     """Runs `StepPlan`s on `model`, packed into one forward when it can (`pack_steps`), and reports a
     `StepResult`: what each request of the plan kept, or why it failed."""
 
-    def __init__(self, model: PreTrainedModel, pack_steps: bool = True):
+    def __init__(self, model: PreTrainedModel, pack_steps: bool = True, speculator: Speculator | None = None):
         self.model = model
         self.pack_steps = pack_steps and model.config._attn_implementation in PAGED_ATTENTION_NAMES
+        self.speculator = speculator  # drafts for decode steps (None: no speculative decoding)
         self.packed_steps = 0  # steps run as one packed forward so far
         self.times = StepTimes()  # replaced whole after each step: any thread may read it
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        positions, picked = len(plan.running), None  # decode positions computed (rows x (1 + drafts)), tokens kept
+        drafts = None
         try:
+            drafts = self.speculator.drafts(plan.running) if self.speculator and plan.running and not plan.chunks else None
+            result = self._run_speculative(plan, drafts) if drafts is not None else None
+            if result is not None:
+                positions *= 1 + drafts.k
+                picked = len(result.choices) + sum(len(kept) for kept in result.accepted.values())
+                return result
             return self._run(plan)
         finally:
-            self.times = self.times.adding(plan, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.times = self.times.adding(plan, seconds, picked)
+            if self.speculator is not None and plan.running and not plan.chunks and (drafts is None or picked):
+                self.speculator.costs.add(positions, seconds)  # not a step that ran twice (drafts dropped)
 
     def _run(self, plan: StepPlan) -> StepResult:
         if self.pack_steps and plan.chunks and (plan.running or len(plan.chunks) > 1):
@@ -187,6 +206,50 @@ class StepExecutor:
                 probe.release()
         return culprits
 
+    # ------------------------------------------------------------------ speculative
+
+    def _run_speculative(self, plan: StepPlan, drafts: Drafts) -> StepResult | None:
+        """The decode rows with their `drafts` verified in one forward, or None (every cache as it was) when
+        anything fails: the step then runs without drafts."""
+        cache, requests = plan.running_cache, plan.running
+        try:
+            logits = self._decode_forward(cache, requests, drafts)  # [B, 1 + k, V]
+        except Exception:  # noqa: BLE001 (rolled back by the cache: the plain step isolates the cause)
+            return None
+        try:
+            kept = self._verify_rows(requests, logits, drafts)
+        except Exception:  # noqa: BLE001 (a pick failed: the plain step fails that request alone)
+            cache.settle()
+            return None
+        except BaseException:
+            cache.settle()
+            raise
+        cache.commit(keep=[len(choices) for choices in kept])
+        self.speculator.verified(requests, drafts, [len(choices) - 1 for choices in kept])
+        result = StepResult()
+        for request, choices in zip(requests, kept):
+            result.accepted[request], result.choices[request] = choices[:-1], choices[-1]
+        return result
+
+    def _verify_rows(self, requests: list[Request], logits: torch.Tensor, drafts: Drafts) -> list[list[Choice]]:
+        """Each row's kept tokens from its `logits` ``[1 + k, V]``: the drafts the model picks too, then its own
+        token where it first differs (or after the last draft), ending early at a token that stops the row."""
+        rows = []
+        best, firsts = logits.max(dim=-1)  # [B, 1 + k] each: plain greedy rows' picks, taken in one reduction
+        for row, request in enumerate(requests):
+            kept: list[Choice] = []
+            for position, draft in enumerate([*drafts.tokens[row], None]):
+                if request.greedy is not None and math.isfinite(float(best[row, position])):
+                    choice = request.greedy_choice(int(firsts[row, position]), position)
+                else:
+                    after = [c.token for c in kept]
+                    choice = _attempts(lambda: request.pick(logits[row, position], after, draft))
+                kept.append(choice)
+                if choice.finished or choice.token != draft:
+                    break
+            rows.append(kept)
+        return rows
+
     # ------------------------------------------------------------------ forwards and picks
 
     def _forward_and_drop(self, probe: PagedCache, request: Request) -> None:
@@ -207,19 +270,28 @@ class StepExecutor:
         )
         return out.logits[0]
 
-    def _decode_forward(self, cache: PagedCache, requests: list[Request]) -> torch.Tensor:
-        """One new token for each row of `cache` (left pending); their logits ``[B, V]``."""
-        input_ids, positions, mask = self._decode_inputs(cache, requests)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        return out.logits[:, -1]
+    def _decode_forward(self, cache: PagedCache, requests: list[Request], drafts: Drafts | None = None) -> torch.Tensor:
+        """One new token for each row of `cache` (left pending), after its `drafts` if any: the logits ``[B, V]``
+        (with drafts ``[B, 1 + k, V]``, every position's)."""
+        input_ids, positions, mask = self._decode_inputs(cache, requests, drafts)
+        if drafts is not None:
+            cache.expect_drafts(drafts.k)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=0 if drafts is not None else 1)
+        return out.logits if drafts is not None else out.logits[:, -1]
 
-    def _decode_inputs(self, cache: PagedCache, requests: list[Request]) -> tuple[torch.Tensor, ...]:
-        """Decode inputs of `cache`'s rows: input ids ``[B, 1]``, positions ``[B, 1]``, mask ``[B, L + 1]``."""
+    def _decode_inputs(
+        self, cache: PagedCache, requests: list[Request], drafts: Drafts | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Decode inputs of `cache`'s rows, each its last token then its drafts (``q = 1 + k``): input ids
+        ``[B, q]``, positions ``[B, q]``, mask ``[B, L + q]``."""
         device = self.model.device
-        input_ids = torch.tensor([[r.generated[-1]] for r in requests], device=device)  # [B, 1]
-        positions = torch.tensor([[len(r.tokens) - 1] for r in requests], device=device)  # [B, 1]
+        rows = [[r.generated[-1], *(drafts.tokens[b] if drafts else ())] for b, r in enumerate(requests)]
+        input_ids = torch.tensor(rows, device=device)  # [B, q]
+        first = torch.tensor([[len(r.tokens) - 1] for r in requests], device=device)  # [B, 1]
+        positions = first + torch.arange(input_ids.shape[1], device=device)  # [B, q]
         real = cache.is_real.to(device)
-        mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + 1]
+        mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + q]
         return input_ids, positions, mask
 
     def _choose_rows(self, requests: list[Request], logits: torch.Tensor, result: StepResult) -> None:

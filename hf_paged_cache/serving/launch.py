@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests waiting to start; more get 429 (default: 256)")
     parser.add_argument("--max-step-tokens", type=_positive,
                         help="most prompt tokens prefilled per step (default: 512)")
+    parser.add_argument("--speculative", default="off", choices=["ngram", "off"],
+                        help="speculative decoding: ngram verifies draft tokens looked up in each request's own "
+                             "prompt and answer, in the decode steps where that is expected to pay; the answers "
+                             "are the same (default: off)")
+    parser.add_argument("--speculative-tokens", type=_positive, default=4,
+                        help="most draft tokens per request and step with --speculative ngram (default: 4)")
     parser.add_argument(
         "--reserve-new-tokens", action=argparse.BooleanOptionalAction, default=False,
         help="admit a request only when the pool holds its prompt and all of max_tokens (never preempted); "
@@ -190,6 +196,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
+        speculative=options.speculative, speculative_tokens=options.speculative_tokens,
     )
     _log_pool(batcher)
     if options.flex_decode:

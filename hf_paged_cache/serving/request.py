@@ -288,8 +288,13 @@ class Request:
         """Prompt and generated tokens: what its cache must hold to compute the next token."""
         return self.prompt + self.generated
 
-    def pick(self, logits: torch.Tensor) -> Choice:
+    def pick(self, logits: torch.Tensor, after: Sequence[int] = (), draft: int | None = None) -> Choice:
         """Pick the next token from the last position's `logits` ``[V]``, and whether the request stops there.
+
+        `after`: tokens that come after the request's own before this position (drafts a speculative step
+        kept). With a `draft` token (speculative decoding), a greedy request picks as ever (the draft is kept
+        when it is that token); a sampled one keeps the draft with its probability ``p(draft)``, else draws
+        from ``p`` without it, renormalised: the token is distributed as ``p`` either way.
 
         Changes nothing but the request's generator (sampling), which it puts back when it raises: a retry
         draws the same token. Raises `ValueError` when the processed scores have no finite maximum (NaN, or
@@ -297,7 +302,7 @@ class Request:
         """
         state = self.generator.get_state() if self.config.do_sample else None
         try:
-            tokens = self.tokens
+            tokens = [*self.tokens, *after]
             ids = torch.tensor([tokens], device=logits.device)  # [1, n]
             scores = self.processors(ids, logits.unsqueeze(0).float())  # [1, V]
             if not math.isfinite(float(scores.max())):
@@ -306,7 +311,7 @@ class Request:
                     f"check temperature={self.config.temperature}, bad_words_ids and suppress_tokens"
                 )
             if self.config.do_sample:
-                token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator))
+                token = self._sample(torch.softmax(scores, dim=-1)[0], draft)
             else:
                 token = int(scores.argmax(dim=-1))
             full = torch.tensor([[*tokens, token]], device=logits.device)  # [1, n + 1]
@@ -317,10 +322,25 @@ class Request:
                 self.generator.set_state(state)
             raise
 
-    def greedy_choice(self, token: int) -> Choice:
+    def _sample(self, probabilities: torch.Tensor, draft: int | None) -> int:
+        """A token drawn from `probabilities` ``[V]`` with the request's generator; given a `draft`, the draft
+        with its probability, else a draw from the others (speculative sampling's rule for a draft that is a
+        function of the tokens so far, as an n-gram lookup's is)."""
+        if draft is not None:
+            keep = float(probabilities[draft])
+            if float(torch.rand((), generator=self.generator, device=probabilities.device)) < keep:
+                return draft
+            probabilities = probabilities.clone()
+            probabilities[draft] = 0.0
+            if not float(probabilities.sum()) > 0.0:
+                return draft  # p(draft) is 1 up to rounding: nothing else can be drawn
+        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+
+    def greedy_choice(self, token: int, after: int = 0) -> Choice:
         """What `pick` returns for a plain greedy request (`greedy` set) whose logits' first maximum, finite, is
-        `token`: that token, and whether it stops the request."""
-        return Choice(token, self.greedy.stop(len(self.prompt) + len(self.generated) + 1, token))
+        `token`, `after` tokens past its own (drafts a speculative step kept): that token, and whether it
+        stops the request."""
+        return Choice(token, self.greedy.stop(len(self.prompt) + len(self.generated) + after + 1, token))
 
     def accept(self, choice: Choice) -> None:
         """Add a picked token to the request and stream it to its handle (once its step is kept)."""

@@ -143,6 +143,8 @@ class Scheduler:
                 self.outcomes.finish(request, result.failures[request])
                 leaving.append(row)
             elif request in result.choices:
+                for choice in result.accepted.get(request, ()):
+                    request.accept(choice)
                 request.accept(result.choices[request])
                 if result.choices[request].finished:
                     self.outcomes.finish(request)

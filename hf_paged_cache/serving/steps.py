@@ -40,6 +40,8 @@ class StepResult:
     is exactly as it was (its cache too)."""
 
     choices: dict[Request, Choice] = field(default_factory=dict)  # the token each picked, kept
+    # draft tokens a speculative step verified and kept, which come before the request's token in `choices`
+    accepted: dict[Request, list[Choice]] = field(default_factory=dict)
     kept: set[Request] = field(default_factory=set)  # prompt chunks computed and kept (the prompt goes on)
     # prompt log-probabilities computed (for prompt tokens `first`, `first + 1`, ...), kept with the chunk
     prompt_logprobs: dict[Request, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
@@ -54,14 +56,15 @@ class StepTimes:
     steps (running rows only) and prompt steps (prompt chunks, with the running rows when the step is packed)."""
 
     decode_steps: int = 0
-    decode_rows: int = 0  # rows of the decode steps, summed: the tokens they picked
+    decode_rows: int = 0  # the tokens the decode steps picked (one per row, and the drafts a row kept)
     decode_seconds: float = 0.0
     prompt_steps: int = 0
     prompt_tokens: int = 0  # prompt tokens the prompt steps computed
     prompt_seconds: float = 0.0
 
-    def adding(self, plan: StepPlan, seconds: float) -> StepTimes:
-        """These times and one more step, of `plan`, that took `seconds`."""
+    def adding(self, plan: StepPlan, seconds: float, picked: int | None = None) -> StepTimes:
+        """These times and one more step, of `plan`, that took `seconds` (a decode step that `picked` tokens:
+        by default one per row)."""
         if plan.chunks:
             return replace(
                 self, prompt_steps=self.prompt_steps + 1, prompt_seconds=self.prompt_seconds + seconds,
@@ -69,7 +72,7 @@ class StepTimes:
             )
         return replace(
             self, decode_steps=self.decode_steps + 1, decode_seconds=self.decode_seconds + seconds,
-            decode_rows=self.decode_rows + len(plan.running),
+            decode_rows=self.decode_rows + (len(plan.running) if picked is None else picked),
         )
 
     def since(self, earlier: StepTimes) -> StepTimes:

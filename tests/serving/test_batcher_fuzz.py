@@ -19,6 +19,10 @@ the block tables' references to it, and every block the prefix index holds is wr
 finished request (each choice of a group) is exact and its log-probabilities name its tokens; a failed one
 failed with its own fault; a cancelled one streamed a prefix of its reference; the pool holds no block.
 
+Each case runs twice: as drawn, and with speculative decoding on (drafts from the requests' own tokens at
+every decode step, `Speculator(adaptive=False)`), its sampled requests then greedy (speculation keeps a
+sampled request's distribution, not the draws of ``generate``).
+
 Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
 a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
 architecture instead of 3 (docs/batching.md gives a longer run); with ``-s`` each case prints its steps, requests
@@ -43,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_paged_cache import ContinuousBatcher, RequestCancelled
 from hf_paged_cache.pool.block_pool import NULL_BLOCK
+from hf_paged_cache.serving.speculation import Speculator
 
 CASES = int(os.environ.get("HF_PAGED_CACHE_FUZZ_CASES", "3"))
 BLOCK = 4
@@ -194,10 +199,14 @@ def check_prefix_index(batcher, nan_blocks: NaNBlocks) -> None:
             assert nan_blocks.written(group, block), f"group {group}: block {block} is findable by prefix unwritten"
 
 
-def run_case(model_type: str, seed: int) -> dict:
+def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
     rng = random.Random(seed)
     model = fuzz_model(model_type)
     specs, batcher_kwargs = draw_case(rng, model_type)
+    if speculative:
+        batcher_kwargs["speculative"] = Speculator(3, adaptive=False)
+        for spec in specs:
+            spec.settings = {k: v for k, v in spec.settings.items() if k not in ("do_sample", "seed", "temperature", "top_k")}
     bad = references(model, specs)
     for spec in specs:
         if spec.kind == "poison_prompt":
@@ -273,7 +282,10 @@ def run_case(model_type: str, seed: int) -> dict:
     check_prefix_index(batcher, nan_blocks)
     for index, spec in enumerate(specs):
         check_outcomes(spec, outcomes[index])
-    return dict(steps=steps[0], requests=len(specs), faults=sum(f.fired for f in transient))
+    speculation = batcher.stats().speculation
+    if speculative:
+        assert speculation.steps > 0, "no step speculated"
+    return dict(steps=steps[0], requests=len(specs), faults=sum(f.fired for f in transient), speculation=speculation)
 
 
 def serve_one(batcher, spec: Spec, bad: int) -> list[tuple]:
@@ -346,10 +358,11 @@ def check_outcome(spec: Spec, kind: str, reference: list[int], outcome: tuple) -
         assert streamed == reference[: spec.at + 1], f"{what} streamed {streamed}"
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("seed", range(CASES))
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt2"])
-def test_random_traffic_with_faults_gives_every_request_its_own_answer(model_type, seed):
-    report = run_case(model_type, seed)
-    print(f"{model_type} seed {seed}: {report['steps']} steps, {report['requests']} requests, "
-          f"{report['faults']} transient faults")
+def test_random_traffic_with_faults_gives_every_request_its_own_answer(model_type, seed, speculative):
+    report = run_case(model_type, seed, speculative)
+    print(f"{model_type} seed {seed}{' speculative' if speculative else ''}: {report['steps']} steps, "
+          f"{report['requests']} requests, {report['faults']} transient faults, {report['speculation']}")
     assert report["steps"] > 0

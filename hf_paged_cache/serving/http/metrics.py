@@ -125,8 +125,14 @@ class BatcherCollector(Collector):
                                            labels=step_labels)
         step_tokens = CounterMetricFamily(PREFIX + "step_tokens", "Tokens of the batcher's steps (decode: picked; "
                                           "prompt: prompt tokens computed)", labels=step_labels)
+        drafts = CounterMetricFamily(PREFIX + "spec_draft_tokens", "Draft tokens speculative decoding proposed",
+                                     labels=names)
+        accepted = CounterMetricFamily(PREFIX + "spec_accepted_tokens", "Draft tokens the model verified and kept",
+                                       labels=names)
         for labels, stats in batchers:
             values = [labels.get(name, "") for name in names]
+            drafts.add_metric(values, stats.speculation.draft_tokens)
+            accepted.add_metric(values, stats.speculation.accepted_tokens)
             for usage in stats.groups:
                 for name, value in (("blocks_total", usage.capacity), ("blocks_used", usage.blocks_used),
                                     ("blocks_free", usage.blocks_free), ("blocks_cached", usage.blocks_cached),
@@ -145,4 +151,4 @@ class BatcherCollector(Collector):
                 step_seconds.add_metric([*values, kind], seconds)
                 step_tokens.add_metric([*values, kind], tokens)
         yield from gauges.values()
-        yield from (running, waiting, hits, preemptions, steps, step_seconds, step_tokens)
+        yield from (running, waiting, hits, preemptions, steps, step_seconds, step_tokens, drafts, accepted)

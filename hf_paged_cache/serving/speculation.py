@@ -1,0 +1,196 @@
+"""Speculative decoding in the batcher: which draft tokens each decode step verifies, and whether it pays.
+
+On a CPU a decode step reads every weight once whatever the number of rows, so a step of 1 + k positions per
+row costs little more than a step of one. A row that carries k draft tokens has them verified in one forward
+(`StepExecutor`): the longest prefix the model agrees with is kept, with one token of the model's own after
+it, so a step yields between 1 and k + 1 tokens per row and the output is the output without speculation.
+
+Drafts come from the request's own tokens (`NgramDrafts`, n-gram prompt lookup): the longest suffix of
+`max_n` down to `min_n` tokens that occurred before, and the tokens that followed its latest occurrence.
+Answers that repeat their input (summaries, edits, quotes, code) are where it pays.
+
+Whether a step speculates, and how far (`Speculator.drafts`), is decided from two things measured as the
+batcher runs: each request's recent acceptance (the share of its drafts the model kept, `RowState`), and what
+a decode step costs by the positions it computes (`StepCosts`, a line fitted to the step times). The step
+drafts ``K`` tokens per row for the ``K`` (0 to `max_tokens`) that maximises the expected tokens per second;
+``K = 0`` is a plain decode step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .request import Request
+
+DEFAULT_SPECULATIVE_TOKENS = 4
+PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before any of its drafts was verified
+ACCEPTANCE_MEMORY = 0.7  # weight of the past in a request's acceptance (an exponential moving average)
+COST_SAMPLES = 256  # decode steps the cost model remembers
+
+
+class Proposer(Protocol):
+    """Where one request's drafts come from: a deterministic function of its tokens so far (the rejection rule
+    of sampled requests relies on it)."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+class NgramDrafts:
+    """Draft tokens from one request's own tokens: n-gram prompt lookup.
+
+    Keeps, for every n-gram of `min_n` to `max_n` tokens, where it last ended, updated as tokens come (each
+    token is indexed once): proposing is a few dictionary lookups whatever the length.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest occurrence
+        self._indexed = 0  # tokens whose n-grams ending there are in `_last_end`
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens to follow `tokens` (the request's prompt and output so far, which only grow)."""
+        self._index(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = self._last_end.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None:
+                return list(tokens[end : end + k])
+        return []
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams that end before the last token (the suffix itself is never its own match)."""
+        for end in range(max(self._indexed, self.min_n), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._last_end[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+
+
+@dataclass
+class RowState:
+    """What the speculator knows of one running request: its drafts' source and its recent acceptance."""
+
+    drafts: Proposer
+    acceptance: float = PRIOR_ACCEPTANCE  # expected share of a draft token the model keeps
+
+    def expected_kept(self, k: int) -> float:
+        """Draft tokens expected kept of `k` proposed: each is kept only if all before it were."""
+        return sum(self.acceptance ** j for j in range(1, k + 1))
+
+
+class StepCosts:
+    """What a decode step costs by the positions it computes: a line ``seconds = a + b x positions`` fitted by
+    least squares to the last `COST_SAMPLES` steps."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+
+    def add(self, positions: int, seconds: float) -> None:
+        self._samples.append((positions, seconds))
+
+    def has(self, positions: int) -> bool:
+        return any(p == positions for p, _ in self._samples)
+
+    def line(self) -> tuple[float, float] | None:
+        """``(a, b)``, or None before two step sizes were seen."""
+        n = len(self._samples)
+        xs = [p for p, _ in self._samples]
+        if n < 2 or min(xs) == max(xs):
+            return None
+        mean_x, mean_y = sum(xs) / n, sum(s for _, s in self._samples) / n
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        b = sum((x - mean_x) * (s - mean_y) for x, s in self._samples) / sxx
+        return max(mean_y - b * mean_x, 1e-6), max(b, 0.0)
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """One step's draft tokens: `tokens[b]` for row ``b``, all `k` long (those past `proposed[b]` are filler,
+    verified like drafts but not counted as proposed)."""
+
+    tokens: list[list[int]]
+    proposed: list[int]
+
+    @property
+    def k(self) -> int:
+        return len(self.tokens[0])
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Draft tokens the batcher's steps proposed and kept, and the steps that verified them."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class Speculator:
+    """Chooses each decode step's drafts (`drafts`) and learns from what the step kept (`verified`)."""
+
+    def __init__(
+        self,
+        max_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+        adaptive: bool = True,
+        proposer: Callable[[], Proposer] = NgramDrafts,
+    ):
+        if max_tokens < 1:
+            raise ValueError(f"speculative tokens must be at least 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.adaptive = adaptive  # False: every step drafts as far as the proposals reach (tests, experiments)
+        self.proposer = proposer  # makes each new request's `Proposer`
+        self.costs = StepCosts()
+        self.stats = SpeculationStats()  # replaced whole after each step: any thread may read it
+        self._rows: dict[Request, RowState] = {}
+
+    def drafts(self, requests: Sequence[Request]) -> Drafts | None:
+        """Draft tokens for a decode step of `requests` (the running rows, in order), or None when a plain
+        step is expected to yield more tokens per second (or the cost of a plain step is not known yet)."""
+        self._rows = {r: self._rows.get(r) or RowState(self.proposer()) for r in requests}
+        proposals = []
+        for request in requests:
+            room = request.max_length - len(request.tokens) - 1  # drafts past its longest could never be kept
+            proposals.append(self._rows[request].drafts.propose(request.tokens, min(self.max_tokens, room)))
+        k = self._best_k(requests, proposals)
+        if not k:
+            return None
+        tokens = [(p + [p[-1] if p else r.generated[-1]] * k)[:k] for r, p in zip(requests, proposals)]
+        return Drafts(tokens, [min(len(p), k) for p in proposals])
+
+    def _best_k(self, requests: Sequence[Request], proposals: list[list[int]]) -> int:
+        """The drafts per row that maximise the expected tokens per second of the step (0: none)."""
+        longest = max(len(p) for p in proposals)
+        rows = len(requests)
+        if not longest or not self.adaptive:
+            return longest
+        line = self.costs.line()
+        if line is None:  # measure a plain step first, then a speculative one
+            return 0 if not self.costs.has(rows) else longest
+        a, b = line
+        best, best_rate = 0, rows / (a + b * rows)
+        for k in range(1, longest + 1):
+            kept = sum(self._rows[r].expected_kept(min(k, len(p))) for r, p in zip(requests, proposals))
+            rate = (rows + kept) / (a + b * rows * (1 + k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def verified(self, requests: Sequence[Request], drafts: Drafts, kept: Sequence[int]) -> None:
+        """Learn from a step that kept `kept[b]` of row ``b``'s drafts (verified ones only, fillers included)."""
+        proposed = accepted = 0
+        for request, count, keep in zip(requests, drafts.proposed, kept):
+            if count:
+                state = self._rows[request]
+                tried = min(keep + 1, count)  # drafts the model judged: those kept and the first it did not
+                share = min(keep, count) / tried
+                state.acceptance = ACCEPTANCE_MEMORY * state.acceptance + (1 - ACCEPTANCE_MEMORY) * share
+                proposed, accepted = proposed + count, accepted + min(keep, count)
+        s = self.stats
+        self.stats = SpeculationStats(s.steps + 1, s.draft_tokens + proposed, s.accepted_tokens + accepted)
