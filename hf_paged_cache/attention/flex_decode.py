@@ -19,7 +19,7 @@ against 0.95x gathered). `paged_flex` reads in place the decode steps whose rows
 groups or more (`read_planner.length_groups`), where the copy and the calls cost the most.
 
 Measured on SmolLM2-135M (3 key/value heads of 64, 9 query heads, float32, 30 layers, a 2-core AMD EPYC;
-`scripts/bench_steps.py`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 97.5 against
+`scripts/bench/generate/bench_decode.py --per-step`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 97.5 against
 109.7 ms with ``paged_sdpa`` at one thread and 76.8 against 84.3 ms at two (`DynamicCache`: 128.6 and 96.7 ms).
 What it costs: the first call compiles
 the kernel (a few seconds; once per process, thread count and head shape, since the other sizes are dynamic), and

@@ -3,7 +3,7 @@
 MKL chooses its kernels by the CPU's vendor: on x86 CPUs of other vendors (AMD) it passes over the kernels it
 would run on an Intel CPU with the same instruction sets, for slower ones. PyTorch sends some of its CPU matrix
 products to MKL: ``F.linear`` and ``bmm`` in float32, and the blocks of SDPA's CPU kernels in float32 and
-bfloat16. Measured on a 2-core AMD EPYC with AVX-512 and AVX512-BF16 (``scripts/bench_mkl_dispatch.py``, two
+bfloat16. Measured on a 2-core AMD EPYC with AVX-512 and AVX512-BF16 (``scripts/bench/cpu/bench_mkl_dispatch.py``, two
 threads), without and with the check passed: a float32 ``F.linear`` of 484 tokens by a ``[1536, 576]`` weight
 in 4.4 against 2.0 ms, SDPA's causal attention of a 484-token prompt (SmolLM2-135M's heads) in 3.4 against
 2.1 ms in float32 and 3.4 against 1.2 ms in bfloat16. (`PackedLinear` multiplies through oneDNN, which is fast
