@@ -31,6 +31,8 @@ NAME = "tiny-llama"
 CONTEXT = 1024  # the saved model's max_position_embeddings: long enough for requests that are cut off
 MAX_BODY = 64 * 1024
 MAX_N = 4
+SERVER_OPTIONS = ("--num-blocks", "512", "--max-n", str(MAX_N), "--max-body-bytes", str(MAX_BODY))  # `server`'s
+JSON_MAX_SCHEMA_BYTES = 2048  # --max-schema-bytes of the JSON-capable model's server: small, so requests can pass it
 
 
 @dataclass
@@ -56,31 +58,67 @@ def save_tiny_llama(path: Path) -> Path:
     return path
 
 
+def save_json_llama(path: Path) -> Path:
+    """The tiny random Llama with the character tokenizer that can write JSON (`json_tokenizer`), EOS ``</s>``,
+    saved to `path` for a server to load."""
+    from json_tokenizer import save_json_tokenizer
+
+    save_json_tokenizer(path)
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = CONTEXT
+    model.generation_config.eos_token_id = 2  # </s>
+    model.save_pretrained(path)
+    return path
+
+
 @contextmanager
 def run_server(model_dir: Path, log: Path, *options: str) -> Iterator[Server]:
     """`python -m hf_paged_cache.serve` on `model_dir` and a free port, with the key and name of these tests and
     `options`, its output in `log`; yields it once healthy and always stops it (SIGTERM, then kill)."""
-    port = free_port()
-    command = [
-        sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(port), "--api-key", KEY,
-        "--served-model-name", NAME, "--shutdown-grace", "20", "--log-level", "warning", *options,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HF_PAGED_CACHE_API_KEY", None)
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with run_servers([(model_dir, log, *options)]) as (server,):
+        yield server
+
+
+@contextmanager
+def run_servers(commands: list[tuple[Path | str, ...]],
+                envs: list[dict[str, str | None]] | None = None) -> Iterator[list[Server]]:
+    """`run_server` for several servers at once, each ``(model_dir, log, *options)``: all are started before
+    any is waited for (they load side by side), yielded once all are healthy, and always all stopped.
+
+    `envs`, one per command: environment variables to set for that server (None: to remove)."""
+    started: list[Server] = []
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, process, log)
-        yield Server(url, process, log)
+        for (model_dir, log, *options), changes in zip(commands, envs or [{}] * len(commands), strict=True):
+            port = free_port()
+            while any(server.url.endswith(f":{port}") for server in started):  # not yet bound by its server
+                port = free_port()
+            command = [
+                sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(port), "--api-key", KEY,
+                "--served-model-name", NAME, "--shutdown-grace", "20", "--log-level", "warning", *options,
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env.pop("HF_PAGED_CACHE_API_KEY", None)
+            for name, value in changes.items():
+                if value is None:
+                    env.pop(name, None)
+                else:
+                    env[name] = value
+            with open(log, "wb") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            started.append(Server(f"http://127.0.0.1:{port}", process, Path(log)))
+        for server in started:
+            wait_for_health(server.url, server.process, server.log)
+        yield started
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        for server in started:
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in started:
             try:
-                process.wait(timeout=20)
+                server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                server.process.kill()
+                server.process.wait()
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import torch
 from repo_paths import DATA
 from server_process import (
     CONTEXT, KEY, MAX_BODY, MAX_N, NAME, Server, chat_ids, generate_alone, log_softmax_rows, metric, metrics_text,
-    run_server, text_of, token_ids,
+    text_of, token_ids,
 )
 from tiny_models import tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,14 +204,13 @@ def test_completions_and_chat_equal_generate(server, client, reference):
     assert chat.usage.prompt_tokens == len(ids)  # as templated
 
 
-def test_stock_linears_on_request_equal_the_stock_model(model_dir, tmp_path):
+def test_stock_linears_on_request_equal_the_stock_model(model_dir, tiny_servers):
     """``--no-packed-linears`` serves with the model's own kernels: greedy answers equal the unpacked model's."""
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
-    with run_server(model_dir, tmp_path / "server.log", "--num-blocks", "64", "--no-packed-linears") as running:
-        stock_client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        answer = stock_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    stock_client = openai.OpenAI(base_url=tiny_servers["stock"].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    answer = stock_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
 
 
@@ -261,7 +260,7 @@ def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_
     assert answers == [generate_alone(model, p, 12) for p in prompts]
 
 
-def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(model_dir, reference, tmp_path):
+def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(tiny_servers, reference):
     """``--kv-dtype int8`` serves from an int8 pool: greedy answers equal `generate` with an int8 `PagedCache`."""
     model, tokenizer = reference
     prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
@@ -272,9 +271,8 @@ def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(model
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                  max_new_tokens=12, cache=cache)
         expected.append(text_of(tokenizer, out[0, len(ids):].tolist()))
-    with run_server(model_dir, tmp_path / "server.log", "--max-memory", "1MiB", "--kv-dtype", "int8") as running:
-        int8_client = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        answer = int8_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
+    int8_client = openai.OpenAI(base_url=tiny_servers["int8"].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    answer = int8_client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in answer.choices] == expected
 
 
@@ -583,8 +581,10 @@ def test_metrics_count_the_batcher_steps(server, client):
     assert prompt_seconds > 0 and decode_seconds > 0
 
 
-def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(server):
-    """Last: it stops the module's server."""
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(tiny_servers):
+    """It stops the ``stock`` server (`tests/server/conftest.py`), whose test has run: ``main`` serves on, for
+    test_server_lm_eval.py."""
+    server = tiny_servers["stock"]
     body = {"model": NAME, "prompt": "Last words:", "max_tokens": 40, "temperature": 0, "stream": True}
     lines: list[str] = []
     started = threading.Event()

@@ -2,11 +2,12 @@
 `python -m hf_paged_cache.serve` subprocess, scores the tiny local tasks as the harness's own "hf" model does on
 the same weights.
 
-The server, its tiny random Llama with the character tokenizer and its free port come from `tests/server_process.py`
-(the subprocess is always stopped); the tasks, and the "hf" run they are compared with, from
-`tests/lm_eval_tasks.py`. What the harness sends is recorded on the way, to check it asks what the server answers:
-a loglikelihood is the prompt's own log-probabilities (``echo``, ``logprobs=1``, ``max_tokens=1``), ``is_greedy``
-whether each of them is the top alternative's; a generation is greedy up to the task's ``until`` or the EOS text.
+The server, on its tiny random Llama with the character tokenizer, is test_server.py's (`tests/server/conftest.py`,
+`tests/server_process.py`: the subprocess is always stopped); the tasks, and the "hf" run they are compared with,
+come from `tests/lm_eval_tasks.py`. What the harness sends is recorded on the way, to check it asks what the
+server answers: a loglikelihood is the prompt's own log-probabilities (``echo``, ``logprobs=1``, ``max_tokens=1``),
+``is_greedy`` whether each of them is the top alternative's; a generation is greedy up to the task's ``until`` or
+the EOS text.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ import json
 
 import httpx
 import pytest
-from json_tokenizer import save_json_tokenizer
-from server_process import KEY, NAME, run_server
-from tiny_models import tiny_model
+from server_process import KEY, NAME
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -25,16 +23,9 @@ TOOL = {"type": "function", "name": "lookup", "description": "find a word",
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-responses")
-    save_json_tokenizer(path)
-    model = tiny_model("llama")
-    model.config.max_position_embeddings = 1024
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with run_server(path, log, "--num-blocks", "512") as running:
-        yield running
+def server(json_server):
+    """The JSON-capable tiny model's server, shared with other modules (`tests/server/conftest.py`)."""
+    return json_server
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from json_tokenizer import save_json_tokenizer
-from server_process import KEY, NAME, run_server
-from tiny_models import tiny_model
+from server_process import JSON_MAX_SCHEMA_BYTES, KEY, NAME
 from transformers import AutoTokenizer
 
 from hf_paged_cache.structured import Grammars, GrammarSpec
@@ -24,7 +22,6 @@ from hf_paged_cache.structured import Grammars, GrammarSpec
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-MAX_SCHEMA_BYTES = 2048
 PERSON = {
     "type": "object",
     "properties": {
@@ -48,21 +45,14 @@ for _ in range(70):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-json")
-    tokenizer = save_json_tokenizer(path)
-    model = tiny_model("llama")
-    model.config.max_position_embeddings = 1024
-    model.generation_config.eos_token_id = 2  # </s>
-    model.save_pretrained(path)
-    return tokenizer
+def model_dir(json_model_dir):
+    return json_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with run_server(model_dir, log, "--num-blocks", "512", "--max-schema-bytes", str(MAX_SCHEMA_BYTES)) as running:
-        yield running
+def server(json_server):
+    """The JSON-capable tiny model's server (`tests/server/conftest.py`), ``--max-schema-bytes`` 2048."""
+    return json_server
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +128,7 @@ def test_cut_by_max_tokens_is_length(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}}, "response_format"),
     ({"guided_regex": "(["}, "guided_regex"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
-    ({"guided_json": {"type": "string", "maxLength": 3000, "description": "x" * MAX_SCHEMA_BYTES}}, "guided_json"),
+    ({"guided_json": {"type": "string", "maxLength": 3000, "description": "x" * JSON_MAX_SCHEMA_BYTES}}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"guided_json": DEEP}, "guided_json"),  # 70 levels, over MAX_SCHEMA_DEPTH (64)

@@ -9,9 +9,8 @@ import json
 
 import httpx
 import pytest
-from json_tokenizer import json_tokenizer, save_json_tokenizer
-from server_process import KEY, NAME, run_server
-from tiny_models import tiny_model
+from json_tokenizer import json_tokenizer
+from server_process import KEY, NAME
 
 from hf_paged_cache.serving.http.errors import APIError
 from hf_paged_cache.serving.http.tools import tool_request
@@ -35,16 +34,9 @@ SCRIPTED = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-tools")
-    save_json_tokenizer(path)
-    model = tiny_model("llama")
-    model.config.max_position_embeddings = 1024
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with run_server(path, log, "--num-blocks", "512", "--tool-call-parser", "hermes") as running:
-        yield running
+def server(json_server):
+    """The JSON-capable tiny model's server (`tests/server/conftest.py`), ``--tool-call-parser hermes``."""
+    return json_server
 
 
 @pytest.fixture(scope="module")
