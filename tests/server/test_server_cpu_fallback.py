@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import KEY, NAME, free_port, run_server
+import torch
+from server_process import KEY, NAME, Server, free_port, run_servers
 
 openai = pytest.importorskip("openai")
 
@@ -59,12 +61,40 @@ F.scaled_dot_product_attention = _refuses_bfloat16
 """A kernel that fails every bfloat16 forward and that no probe asks about: the first request finds it."""
 
 
-def _site(tmp_path: Path, source: str, monkeypatch) -> None:
-    """Put a ``sitecustomize`` of `source` on the path of the processes started from now on."""
-    folder = tmp_path / "site"
+def _site(folder: Path, source: str) -> dict[str, str]:
+    """A ``sitecustomize`` of `source` in `folder`: the ``PYTHONPATH`` that puts it in the processes given it."""
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(textwrap.dedent(source))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    """The module's server processes, started side by side (each loads torch and the model; on two cores two
+    load at once): ``onednn``, bfloat16 where oneDNN refuses it (the operator's own refusal, no cap); one per
+    dtype under an AVX2 cap; and ``refused``, a bfloat16 server that no request can run on, which must exit
+    (its process and its stderr only)."""
+    folder = tmp_path_factory.mktemp("servers")
+    refused_log = folder / "refused.log"
+    with open(refused_log, "wb") as out:
+        refused = subprocess.Popen(
+            [sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(free_port()), "--dtype",
+             "bfloat16", "--log-level", "info"], stdout=subprocess.DEVNULL, stderr=out,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **_site(folder / "no-bf16-attention", NO_BFLOAT16_ATTENTION)})
+    commands, envs = {}, {}
+    if packed_linears_supported():
+        commands["onednn"] = (model_dir, folder / "onednn.log", "--dtype", "bfloat16", "--log-level", "info")
+        envs["onednn"] = {CAPABILITY_ENV: None, **_site(folder / "avx2-onednn", AVX2_ONEDNN)}
+    for dtype in ("bfloat16", "float32"):
+        commands[dtype] = (model_dir, folder / f"{dtype}.log", "--dtype", dtype)
+        envs[dtype] = {CAPABILITY_ENV: "avx2"}
+    try:
+        with run_servers(list(commands.values()), list(envs.values())) as running:
+            yield {**dict(zip(commands, running)), "refused": Server("", refused, refused_log)}
+    finally:
+        if refused.poll() is None:
+            refused.kill()
+        refused.wait()
 
 
 def _answers(server) -> str:
@@ -75,34 +105,47 @@ def _answers(server) -> str:
 
 
 @pytest.mark.skipif(not packed_linears_supported(), reason="this PyTorch build has no oneDNN to refuse bfloat16")
-def test_bfloat16_where_onednn_refuses_it_answers_on_the_stock_kernels(model_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv(CAPABILITY_ENV, raising=False)  # the operator's own refusal, not the cap's
-    _site(tmp_path, AVX2_ONEDNN, monkeypatch)
-    check = subprocess.run([sys.executable, "-c", "import torch; torch.ops.mkldnn._reorder_linear_weight("
-                            "torch.ones(4, 4, dtype=torch.bfloat16), 1)"], capture_output=True, text=True)
-    assert AVX2_ERROR in check.stderr  # the servers below meet the AVX2 error
-    log = tmp_path / "server.log"
-    with run_server(model_dir, log, "--dtype", "bfloat16", "--log-level", "info") as server:
-        _answers(server)
-    text = log.read_text()
+def test_bfloat16_where_onednn_refuses_it_answers_on_the_stock_kernels(servers):
+    server = servers["onednn"]
+    _answers(server)
+    text = server.log.read_text()
     assert "linear layers on PyTorch's stock kernels: oneDNN refused a torch.bfloat16 product here" in text
-    assert AVX2_ERROR in text  # the reason, named
+    assert AVX2_ERROR in text  # the reason, named: the server met the AVX2 error of its sitecustomize
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "auto"])
-def test_every_dtype_answers_under_an_avx2_cap(model_dir, tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_dtype_answers_under_an_avx2_cap(servers, dtype):
+    _answers(servers[dtype])
+
+
+def test_auto_under_an_avx2_cap_loads_float32_and_answers(model_dir, monkeypatch):
+    """``--dtype auto`` is resolved once, at load (`load_batcher`): under the cap it is float32, and from there
+    the server runs as ``--dtype float32`` does above. Loaded here, in this process (the probes' caches cleared
+    before and after, as the cap changes what they answer)."""
+    from hf_paged_cache.kernels import packing_probe
+    from hf_paged_cache.kernels.cpu_capability import cpu_capability
+    from hf_paged_cache.serving.launch import build_parser, load_batcher
+
+    def clear_probes() -> None:
+        cpu_capability.cache_clear()
+        packing_probe.cache_clear()
+
     monkeypatch.setenv(CAPABILITY_ENV, "avx2")
-    with run_server(model_dir, tmp_path / "server.log", "--dtype", dtype) as server:
-        _answers(server)
+    clear_probes()
+    try:
+        batcher, _ = load_batcher(build_parser().parse_args([str(model_dir), "--dtype", "auto", "--num-blocks", "64"]))
+        with batcher:
+            assert batcher.model.dtype == torch.float32
+            assert len(batcher.generate([[5, 6, 7]], max_new_tokens=4, min_new_tokens=4)[0]) == 4
+    finally:
+        monkeypatch.delenv(CAPABILITY_ENV)
+        clear_probes()
 
 
-def test_a_configuration_that_fails_every_request_stops_the_server_at_start(model_dir, tmp_path, monkeypatch):
-    _site(tmp_path, NO_BFLOAT16_ATTENTION, monkeypatch)
-    command = [sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(free_port()), "--dtype", "bfloat16",
-               "--log-level", "info"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode != 0
-    assert "cannot answer a request as configured (--dtype bfloat16, --device cpu)" in done.stderr
-    assert "no bfloat16 attention kernel on this CPU" in done.stderr
-    assert "ready to serve" not in done.stderr
+def test_a_configuration_that_fails_every_request_stops_the_server_at_start(servers):
+    refused = servers["refused"]  # never listened: only its process and its stderr
+    assert refused.process.wait(timeout=120) != 0
+    stderr = refused.log.read_text()
+    assert "cannot answer a request as configured (--dtype bfloat16, --device cpu)" in stderr
+    assert "no bfloat16 attention kernel on this CPU" in stderr
+    assert "ready to serve" not in stderr

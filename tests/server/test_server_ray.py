@@ -22,27 +22,35 @@ import pytest
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from server_process import KEY, NAME, Server, run_server  # noqa: E402
+from server_process import KEY, NAME, Server, run_servers  # noqa: E402
 
 REPLICA = re.compile(r'hf_paged_cache_blocks_used\{replica="(\w+)"\}')
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "0123456789 abcdefghij"]
 
 
 @pytest.fixture(scope="module")
-def ray_server(model_dir, tmp_path_factory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("ray-server-log") / "server.log"
-    with run_server(model_dir, log, "--ray", "--replicas", "2", "--replica-threads", "1", "--replica-cpus", "0",
-                    "--num-blocks", "256") as running:
-        ray_processes = psutil.Process(running.process.pid).children(recursive=True)
-        yield running
+def servers(model_dir, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+    """The Ray application and the single-process server on the same model, started side by side."""
+    ray_log = tmp_path_factory.mktemp("ray-server-log") / "server.log"
+    lone_log = tmp_path_factory.mktemp("lone-server-log") / "server.log"
+    with run_servers([
+        (model_dir, ray_log, "--ray", "--replicas", "2", "--replica-threads", "1", "--replica-cpus", "0",
+         "--num-blocks", "256"),
+        (model_dir, lone_log, "--num-blocks", "256"),
+    ]) as (ray_running, lone_running):
+        ray_processes = psutil.Process(ray_running.process.pid).children(recursive=True)
+        yield ray_running, lone_running
     _assert_gone(ray_processes)
 
 
 @pytest.fixture(scope="module")
-def lone_server(model_dir, tmp_path_factory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("lone-server-log") / "server.log"
-    with run_server(model_dir, log, "--num-blocks", "256") as running:
-        yield running
+def ray_server(servers) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def lone_server(servers) -> Server:
+    return servers[1]
 
 
 def client(server: Server) -> openai.OpenAI:
