@@ -299,17 +299,33 @@ def _one_line_error(stderr: str) -> str:
     return lines[0]
 
 
-def test_cli_bad_input_is_one_error_line_and_status_2(tmp_path):
-    cases = [  # each its own process, both at once: `python -m hf_paged_cache.planner` as a user runs it
-        (["--max-memory", "lots"], "cannot read 'lots' as a memory size"),
-        (["--model", str(tmp_path / "missing" / "config.json")], "cannot read a config from"),
-    ]
+BAD_INPUT = [  # `python -m hf_paged_cache.planner` as a user runs it: one line on stderr, status 2
+    (["--max-memory", "lots"], "cannot read 'lots' as a memory size"),
+    (["--model", "{missing}/config.json"], "cannot read a config from"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """The command-line runs of this module, each its own process, all at once (each imports torch): the bad
+    inputs of `BAD_INPUT` by ``python -m hf_paged_cache.planner`` and ``python -m hf_paged_cache.plan --help``
+    (the old module path). ``{name: (status, stdout, stderr)}``, named by their arguments."""
+    missing = tmp_path_factory.mktemp("cli") / "missing"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    runs = [subprocess.Popen([sys.executable, "-m", "hf_paged_cache.planner", *argv], cwd=ROOT, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv, _ in cases]
-    for run, (argv, message) in zip(runs, cases):
-        out, err = run.communicate(timeout=120)
-        assert run.returncode == 2 and not out, (argv, run.returncode, out)
+    commands = {" ".join(argv): ["hf_paged_cache.planner", *(a.format(missing=missing) for a in argv)]
+                for argv, _ in BAD_INPUT}
+    commands["plan --help"] = ["hf_paged_cache.plan", "--help"]
+    runs = {name: subprocess.Popen([sys.executable, "-m", *command], cwd=ROOT, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for name, command in commands.items()}
+    outputs = {name: run.communicate(timeout=120) for name, run in runs.items()}
+    return {name: (runs[name].returncode, *outputs[name]) for name in runs}
+
+
+def test_cli_bad_input_is_one_error_line_and_status_2(cli_runs):
+    for argv, message in BAD_INPUT:
+        status, out, err = cli_runs[" ".join(argv)]
+        assert status == 2 and not out, (argv, status, out)
         assert message in _one_line_error(err), argv
 
 
@@ -377,7 +393,7 @@ def test_help_shows_each_default_once(capsys):
         assert text.count(default) == 1, default
 
 
-def test_the_old_module_paths_still_work_and_warn(monkeypatch):
+def test_the_old_module_paths_still_work_and_warn(monkeypatch, cli_runs):
     import importlib
 
     import hf_paged_cache.planner as planner
@@ -389,7 +405,5 @@ def test_the_old_module_paths_still_work_and_warn(monkeypatch):
         with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import {new.__name__} instead"):
             module = importlib.import_module(old)
         assert all(getattr(module, name) is getattr(new, name) for name in names), old
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "hf_paged_cache.plan", "--help"], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=120)
-    assert done.returncode == 0 and "--max-memory" in done.stdout and not done.stderr, done.stderr
+    status, out, err = cli_runs["plan --help"]
+    assert status == 0 and "--max-memory" in out and not err, err
