@@ -1,6 +1,8 @@
 """Helpers for the benchmark scripts (``scripts/bench/``) and the demo: not part of the library's API.
 
 - `workload`: the seeded ShareGPT-shaped request stream, or one of uniform lengths;
+- `grounded`: chat requests whose answers repeat their prompt (the workload of speculative decoding), from the
+  standard library's text (imported as `hf_paged_cache.bench.grounded`);
 - `kv_bytes`: KV byte accounting for dense and paged caches;
 - `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
 - `variants`: the caches the scripts compare and the attention each runs with;
