@@ -1,11 +1,14 @@
 """The input-grounded workload (`hf_paged_cache.bench.grounded`): seeded, built from the standard library's text,
-and every request's answer to be found in its own prompt. No model runs here."""
+and every request's answer to be found in its own prompt; and how ``scripts/bench/serving/bench_http.py`` sends it
+and starts the speculating contenders. No model runs here."""
 
 from __future__ import annotations
 
 import ast
+import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +107,95 @@ def test_prose_drops_code_and_cuts_at_a_sentence() -> None:
     assert prose(doc, 100) == "First sentence here. Second one follows.\n\nLast words."
     assert prose(doc, 4) == "First sentence here."
 
+
+# ------------------------------------------------------------------ bench_http.py --workload grounded
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from test_bench_scripts import load_script
+
+    return load_script("bench_http")
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    from transformers import AutoTokenizer
+
+    data = next(p / "data" for p in Path(__file__).resolve().parents if (p / "data" / "char_tokenizer").is_dir())
+    return AutoTokenizer.from_pretrained(data / "char_tokenizer")  # tests/data's, which has a chat template
+
+
+def test_bench_http_grounded_jobs_are_chats_that_stop_at_eos(bench, char_tokenizer) -> None:
+    jobs = bench.make_grounded_jobs(char_tokenizer, count=6, seed=0)
+    requests = grounded_workload(6, seed=0).requests
+    assert [j.messages for j in jobs] == [r.messages for r in requests]
+    for job, request in zip(jobs, requests, strict=True):
+        assert not job.ignore_eos and job.expected == request.expected
+        assert job.text == char_tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=True,
+                                                              tokenize=False)
+        assert job.prompt_ids == char_tokenizer(job.text, add_special_tokens=False).input_ids
+        reference = request.expected if request.expected is not None else request.grounding
+        assert job.max_tokens == -(-len(char_tokenizer(reference, add_special_tokens=False).input_ids) * 5 // 4) + 16
+    assert all(j.max_tokens == 16 for j in bench.make_grounded_jobs(char_tokenizer, count=3, seed=0, max_new=16))
+
+
+def test_bench_http_sends_grounded_jobs_as_streamed_chats(bench, char_tokenizer) -> None:
+    (job,) = bench.make_grounded_jobs(char_tokenizer, count=1, seed=0)
+    for contender in ("ours", "ours-spec", "vllm", "vllm-spec"):
+        body = bench.request_body(contender, job)
+        assert bench.endpoint(body) == "/v1/chat/completions" and "prompt" not in body
+        assert body["messages"] == [dict(m) for m in job.messages] and body["temperature"] == 0
+        assert "ignore_eos" not in body and body["stream_options"] == {"include_usage": True}
+    config = json.loads(bench.request_body("transformers", job)["generation_config"])
+    assert config == {"do_sample": False}  # its EOS kept
+    standard = bench.request_body("ours-spec", bench.Job("x", [1], 2))
+    assert bench.endpoint(standard) == "/v1/completions" and standard["ignore_eos"]
+    assert bench.chunk_text({"delta": {"content": "ab"}}) == "ab" and bench.chunk_text({"delta": {}}) == ""
+    assert bench.chunk_text({"text": "cd"}) == "cd"
+
+
+def test_bench_http_speculative_contenders(bench, tmp_path) -> None:
+    args = bench.parse_args(["--contenders", "ours,ours-spec,vllm,vllm-spec", "--workload", "grounded",
+                             "--speculative-tokens", "3"])
+    settings = bench.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0,
+                                    speculative_tokens=args.speculative_tokens,
+                                    prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
+    assert settings.command("ours-spec", 1) == settings.command("ours", 1) + [
+        "--speculative", "ngram", "--speculative-tokens", "3"]
+    spec = settings.command("vllm-spec", 1)
+    assert spec[:-2] == settings.command("vllm", 1) and spec[-2] == "--speculative-config"
+    assert json.loads(spec[-1]) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2}
+    assert settings.own_env("vllm-spec") == settings.own_env("vllm") and bench.is_vllm("vllm-spec")
+    assert "'{\"method\": \"ngram\"" in settings.command_line("vllm-spec")  # quoted for a shell
+    with pytest.raises(SystemExit, match="the vllm contender needs vLLM"):
+        bench.main(["--model", str(tmp_path / "none"), "--contenders", "vllm-spec",
+                    "--vllm-python", str(tmp_path / "no-python"), "--out", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ray", "--workload", "grounded"])
+
+
+def test_bench_http_reads_draft_counters(bench) -> None:
+    metrics = "\n".join([
+        "# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.",
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0',
+        "vllm:spec_decode_num_drafts_total 10.0",
+    ])
+    counters: dict[str, float] = {}
+    for name, value in bench.SPEC_COUNTER.findall(metrics):
+        counters[name] = counters.get(name, 0.0) + float(value)
+    assert counters == {"vllm:spec_decode_num_draft_tokens_total": 40.0,
+                        "vllm:spec_decode_num_accepted_tokens_total": 30.0}
+    assert bench.acceptance(counters) == {"draft_tokens": 40.0, "accepted_tokens": 30.0, "acceptance": 0.75}
+    assert bench.acceptance(None) is None
+
+
+def test_bench_http_counts_generated_tokens(bench) -> None:
+    stream = bench.Stream(0.0, [1.0, 2.0, 3.0], "abc", None, None, 3.5, "stop")
+    assert bench.generated_tokens(stream, bench.Job("x", [1], 10, ignore_eos=False)) == 3  # the chunks
+    assert bench.generated_tokens(stream, bench.Job("x", [1], 10)) == 10  # EOS ignored: as asked
+    with_usage = bench.Stream(0.0, [1.0], "abc", 7, 1, 1.0, "stop")
+    assert bench.generated_tokens(with_usage, bench.Job("x", [1], 10, ignore_eos=False)) == 7

@@ -8,10 +8,22 @@ string"), and each server tokenizes that text itself (``tokenizer(text)``, speci
 tokenizer adds them). Every request is greedy (``temperature=0``) with ``max_tokens = o_i`` and EOS ignored
 (ours and vLLM: ``ignore_eos``; transformers: ``generation_config={"do_sample": false, "eos_token_id": -1}``, since it
 refuses unknown fields such as ``ignore_eos`` with a 422), so every answer is exactly ``o_i`` tokens long.
+That is ``--workload standard`` (the default).
+
+``--workload grounded``: ``--num-requests`` chat requests whose answers repeat much of their prompt, from
+`hf_paged_cache.bench.grounded` (repeat, correct or summarise a passage; rename a variable in a Python
+function; quote the sentence of a document that holds a given word), their text drawn with ``--seed`` from this
+Python's standard library (docstrings and functions, read as source). Each is a streamed ``POST
+/v1/chat/completions`` (one user message; each server applies the model's chat template, the batcher gets
+``apply_chat_template``'s ids), greedy, **EOS honoured**: answers end where the model ends them, capped at
+``max_tokens`` = 1.25 x the reference answer's tokens + 16. Tokens/s then counts the tokens generated (the
+server's ``usage``, else the streamed chunks that carried text). ``--max-prompt``, ``--max-new``,
+``--output-scale`` and ``--prefixes`` shape the standard workload only. This is the workload where
+speculative decoding by n-gram prompt lookup (``ours-spec``, ``vllm-spec``) can pay.
 
 ``--concurrency`` clients (asyncio + ``httpx``) share the requests in order; each sends its next request as
-soon as its previous stream ends (a closed loop: at most ``--concurrency`` requests in flight). Every request is
-a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed alone on the CPU:
+soon as its previous stream ends (a closed loop: at most ``--concurrency`` requests in flight). Every request of
+the standard workload is a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed alone on the CPU:
 
 - ``ours``: ``python -m hf_paged_cache.serve MODEL --device cpu --dtype DTYPE --host 127.0.0.1 --port P
   --max-memory BUDGET`` (its linear layers packed for oneDNN, the server's default);
@@ -35,6 +47,15 @@ a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed a
 - ``ours-preloaded`` and ``vllm-preloaded`` (not in the default list): ``ours`` and ``vllm`` started with
   ``LD_PRELOAD=--preload``, a library whose ``mkl_serv_intel_cpu_true`` returns 1, so that MKL runs its own
   kernels on a CPU that is not Intel's (docs/serving.md, "MKL on AMD CPUs"; `hf_paged_cache.kernels.mkl_dispatch`).
+- ``ours-spec`` and ``vllm-spec`` (not in the default list): speculative decoding by n-gram prompt lookup (draft
+  tokens copied from the request's own prompt and answer so far, verified in one step): ``ours`` with
+  ``--speculative ngram --speculative-tokens K``, and ``vllm`` with ``--speculative-config '{"method": "ngram",
+  "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'`` (``K`` =
+  ``--speculative-tokens``, default 4; the n-gram sizes: ``--prompt-lookup-min`` / ``--prompt-lookup-max``,
+  vLLM's only: ours looks up its own, 2 to 4 tokens by default). Their rounds also report the draft tokens
+  proposed and accepted, read from the server's ``/metrics`` before and after the timed requests (counters
+  named ``*draft_tokens_total`` and ``*accepted_tokens_total``: vLLM's ``vllm:spec_decode_num_*``, ours'
+  ``hf_paged_cache_spec_*``).
 
 ``--dtype`` (float32 or bfloat16) is the model's and the KV cache's dtype in every contender.
 
@@ -61,6 +82,7 @@ Reported per contender, medians over the rounds (with the range of tokens/s):
 
 - output tokens/s = ``sum of completion tokens / wall seconds``, completion tokens as the server's ``usage``
   counts them, wall seconds from the first request sent to the last stream ended (prefill included);
+- time per request = request sent to its stream ended, p50 and p95 over requests;
 - time to first token (TTFT) = first streamed chunk that carries text - request sent, p50 and p95 over requests;
 - inter-token latency (ITL) = the gaps between successive text-carrying chunks of one request, p50 and p95
   over all gaps of all requests (``batcher``: between successive tokens);
@@ -88,7 +110,9 @@ Command (the full run, default model)::
 
     python scripts/bench/serving/bench_http.py --threads 2 --repeats 3 --out results/bench_http.json
 
-and with vLLM too: ``--contenders ours,transformers,batcher,vllm``.
+and with vLLM too: ``--contenders ours,transformers,batcher,vllm``. Speculative decoding: ``--contenders
+ours,ours-spec,vllm,vllm-spec`` on ``--workload standard`` and ``--workload grounded``, once per ``--concurrency``
+1, 4 and 16 (docs/benchmarks.md, "Speculative decoding", gives the commands).
 
 **On Ray Serve** (``--ray``): our server as a Ray Serve application (``serve MODEL --ray``, the ``ray``
 extra), on a workload with shared system prompts: ``--prefixes`` prompts of ``--prefix-tokens`` tokens (random
@@ -121,6 +145,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -152,6 +177,7 @@ from hf_paged_cache.bench import (
     sharegpt_workload,
     write_json,
 )
+from hf_paged_cache.bench.grounded import grounded_workload
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
@@ -160,10 +186,14 @@ from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = (
     "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
-    "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single",
+    "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single", "ours-spec", "vllm-spec",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
-OUR_SERVERS = ("ours", "ours-stock", "ours-bmm", "ours-flex")
+OUR_SERVERS = ("ours", "ours-stock", "ours-bmm", "ours-flex", "ours-spec")
+VLLM_SERVERS = ("vllm", "vllm-spec")
+SPECULATIVE = ("ours-spec", "vllm-spec")  # n-gram prompt lookup: --speculative-tokens drafts a step
+SPECULATIVE_SET = frozenset(SPECULATIVE)
+WORKLOADS = ("standard", "grounded")
 BATCHERS = {"batcher": "sdpa", "batcher-flex": "flex"}  # the in-process contenders, and how their decode steps attend
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
@@ -175,6 +205,7 @@ VLLM_PYTHON_ENV = "VLLM_PYTHON"  # --vllm-python's default, else DEFAULT_VLLM_PY
 DEFAULT_VLLM_PYTHON = "vllm-venv/bin/python"
 WARMUP_MAX_TOKENS = 16  # a warm-up request's longest answer
 API_KEY_ENV = "HF_PAGED_CACHE_API_KEY"  # our server's default --api-key
+SPEC_COUNTER = re.compile(r"^(\S*(?:draft|accepted)_tokens_total)(?:\{[^}]*\})? (\S+)$", flags=re.MULTILINE)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -187,6 +218,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"(default: {','.join(DEFAULT_CONTENDERS)}; with --ray {','.join(RAY_CONTENDERS)})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model and KV cache dtype of every contender (default: float32)")
+    parser.add_argument("--workload", default="standard", choices=WORKLOADS,
+                        help="standard: the ShareGPT-shaped stream to /v1/completions, EOS ignored; grounded: chat "
+                             "requests whose answers repeat their prompt (hf_paged_cache.bench.grounded), EOS "
+                             "honoured (default: standard)")
     add_workload_args(parser, num_requests=48)
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent clients (default: 16)")
     parser.add_argument("--threads", type=int, default=2,
@@ -206,6 +241,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preload", default=None,
                         help="library preloaded (LD_PRELOAD) into the *-preloaded contenders (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--speculative-tokens", type=int, default=4,
+                        help="draft tokens a step of ours-spec and vllm-spec may verify (default: 4)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=2,
+                        help="vllm-spec: shortest n-gram looked up, vLLM's prompt_lookup_min (default: 2)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=4,
+                        help="vllm-spec: longest n-gram looked up, vLLM's prompt_lookup_max (default: 4)")
     parser.add_argument("--ray", action="store_true",
                         help="our server on Ray Serve, prefix-aware routing against Ray Serve's own, on shared system "
                              f"prompts (contenders: {','.join(RAY_CONTENDERS)})")
@@ -220,6 +261,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.contenders = args.contenders or ",".join(RAY_CONTENDERS if args.ray else DEFAULT_CONTENDERS)
     if args.prefixes is None:
         args.prefixes = 4 if args.ray else 0
+    if args.ray and args.workload != "standard":
+        parser.error("--ray runs the standard workload (with shared system prompts) only")
+    if args.speculative_tokens < 1 or not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
+        parser.error("need --speculative-tokens >= 1 and 1 <= --prompt-lookup-min <= --prompt-lookup-max")
     if PRELOADED in args.contenders and (args.preload is None or not Path(args.preload).is_file()):
         parser.error(f"the *{PRELOADED} contenders need --preload, a library file; got {args.preload!r}")
     return args
@@ -230,6 +275,11 @@ def base_contender(contender: str) -> str:
     return contender.removesuffix(PRELOADED)
 
 
+def is_vllm(contender: str) -> bool:
+    """Whether `contender` is a vLLM server (vllm, vllm-spec, vllm-preloaded)."""
+    return base_contender(contender) in VLLM_SERVERS
+
+
 # ------------------------------------------------------------------ workload
 
 
@@ -237,14 +287,18 @@ def base_contender(contender: str) -> str:
 class Job:
     """One request as the clients send it."""
 
-    text: str  # the prompt: the workload's token ids decoded
+    text: str  # the prompt: the workload's token ids decoded (grounded: the messages through the chat template)
     prompt_ids: list[int]  # `text` tokenized again, as the servers tokenize it (what the batcher gets)
     max_tokens: int
+    messages: tuple[dict[str, str], ...] | None = None  # a chat request's messages (None: a completion's prompt)
+    ignore_eos: bool = True  # False: the answer may end before max_tokens, at the model's EOS
+    expected: str | None = None  # grounded: a reference answer (what copying the prompt would give), if any
 
 
 def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, *,
               count: int, seed: int, max_new: int) -> list[Job]:
-    """The workload's requests as text; with ``--prefixes``, each after one of the shared system prompts."""
+    """The standard workload's requests as text; with ``--prefixes``, each after one of the shared system
+    prompts."""
     token_range = prompt_token_range(model, tokenizer)
     workload = sharegpt_workload(count, seed=seed, max_prompt=args.max_prompt, max_output=10**6,
                                  token_range=token_range)
@@ -257,6 +311,29 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
         text = (rng.choice(prefixes) if prefixes else "") + tokenizer.decode(list(request.prompt_ids))
         jobs.append(Job(text, list(tokenizer(text).input_ids), max_tokens))
     return jobs
+
+
+def make_grounded_jobs(tokenizer: PreTrainedTokenizerBase, *, count: int, seed: int,
+                       max_new: int | None = None) -> list[Job]:
+    """`count` chat requests of the grounded workload (`hf_paged_cache.bench.grounded`), EOS honoured, their
+    ``max_tokens`` set from the reference answers in `tokenizer`'s tokens (at most `max_new`, when given)."""
+    workload = grounded_workload(count, seed=seed,
+                                 count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids))
+    jobs = []
+    for request in workload.requests:
+        messages = [dict(m) for m in request.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        max_tokens = request.max_tokens if max_new is None else min(request.max_tokens, max_new)
+        jobs.append(Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_tokens,
+                        messages=request.messages, ignore_eos=False, expected=request.expected))
+    return jobs
+
+
+def grounded_workload_summary(count: int, seed: int) -> dict[str, Any]:
+    """What the results record of the grounded workload (kinds, sources, the Python that gave the text)."""
+    summary = grounded_workload(count, seed=seed).summary()
+    summary.pop("max_tokens")  # in the tokenizer's tokens: the results' max_tokens
+    return summary
 
 
 def prefix_hit_ceiling(jobs: Sequence[Job], block_size: int = BLOCK_SIZE) -> float:
@@ -297,6 +374,8 @@ class Stream:
     text: str
     completion_tokens: int | None  # the server's usage count (None: it sent none)
     prompt_tokens: int | None
+    ended: float | None = None  # time.perf_counter() when the stream ended
+    finish_reason: str | None = None  # the last one a chunk carried ("stop", "length"; None: none sent)
 
 
 @dataclass
@@ -306,17 +385,32 @@ class Round:
     startup_seconds: float | None = None  # server process started to /health answering
     prefix_hit_tokens: float | None = None  # prompt tokens served from the prefix cache (ours, from /metrics)
     steps: dict[str, float] | None = None  # batcher: where its steps' time went (`step_split`)
+    speculation: dict[str, float] | None = None  # the servers' draft/accepted token counters over the timed requests
 
 
 def request_body(contender: str, job: Job) -> dict[str, Any]:
-    """The streamed `/v1/completions` body each server needs for a greedy answer of exactly `job.max_tokens`."""
-    body = {"prompt": job.text, "max_tokens": job.max_tokens, "temperature": 0, "stream": True}
-    if base_contender(contender) in (*OUR_SERVERS, "vllm", *RAY_CONTENDERS):
-        return body | {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    """The streamed body each server needs for a greedy answer of exactly `job.max_tokens` (EOS ignored), or of
+    at most that (`job.ignore_eos` False); a `/v1/chat/completions` body when `job` has messages."""
+    body: dict[str, Any] = {"max_tokens": job.max_tokens, "temperature": 0, "stream": True}
+    body |= {"prompt": job.text} if job.messages is None else {"messages": [dict(m) for m in job.messages]}
+    if base_contender(contender) in (*OUR_SERVERS, *VLLM_SERVERS, *RAY_CONTENDERS):
+        return body | ({"ignore_eos": True} if job.ignore_eos else {}) | {"stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
     # --continuous-batching it applies max_tokens and the EOS id per request, and the first request's
     # generation config (here the same for all) for everything else.
-    return body | {"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})}
+    config = {"do_sample": False} | ({"eos_token_id": -1} if job.ignore_eos else {})
+    return body | {"generation_config": json.dumps(config)}
+
+
+def endpoint(body: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
+
+
+def chunk_text(choice: dict[str, Any]) -> str:
+    """The text one streamed choice carries: a completion's ``text``, a chat answer's ``delta.content``."""
+    if "delta" in choice:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
@@ -324,10 +418,12 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
     arrivals: list[float] = []
     parts: list[str] = []
     usage: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    finish_reason = None
+    path = endpoint(body)
+    async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            raise RuntimeError(f"/v1/completions answered {response.status_code}: {response.text[:500]}")
+            raise RuntimeError(f"{path} answered {response.status_code}: {response.text[:500]}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -337,12 +433,15 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
             chunk = json.loads(payload)
             if "error" in chunk:
                 raise RuntimeError(f"the server failed a request mid-stream: {chunk['error']}")
-            text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or [])
+            choices = chunk.get("choices") or []
+            text = "".join(chunk_text(choice) for choice in choices)
             if text:
                 arrivals.append(time.perf_counter())
                 parts.append(text)
             usage = chunk.get("usage") or usage
-    return Stream(sent, arrivals, "".join(parts), usage.get("completion_tokens"), usage.get("prompt_tokens"))
+            finish_reason = next((c["finish_reason"] for c in choices if c.get("finish_reason")), finish_reason)
+    return Stream(sent, arrivals, "".join(parts), usage.get("completion_tokens"), usage.get("prompt_tokens"),
+                  time.perf_counter(), finish_reason)
 
 
 async def drive_http(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Round:
@@ -364,19 +463,22 @@ async def drive_http(url: str, bodies: list[dict[str, Any]], concurrency: int) -
 
 
 def drive_batcher(batcher: ContinuousBatcher, tokenizer: PreTrainedTokenizerBase, jobs: list[Job],
-                  concurrency: int) -> Round:
-    """The same closed loop as `drive_http`, `concurrency` threads submitting to `batcher` directly."""
+                  concurrency: int, eos_token_ids: Sequence[int] = ()) -> Round:
+    """The same closed loop as `drive_http`, `concurrency` threads submitting to `batcher` directly; a job that
+    does not ignore EOS stops at `eos_token_ids` (the model's and the tokenizer's, as the servers stop)."""
 
     def one(i: int) -> Stream:
         sent = time.perf_counter()
+        eos = None if jobs[i].ignore_eos or not eos_token_ids else list(eos_token_ids)  # None: no EOS
         handle = batcher.submit(jobs[i].prompt_ids, max_new_tokens=jobs[i].max_tokens, do_sample=False,
-                                eos_token_id=None)  # None: no EOS
+                                eos_token_id=eos)
         tokens, arrivals = [], []
         for token in handle:
             arrivals.append(time.perf_counter())
             tokens.append(token)
         text = tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        return Stream(sent, arrivals, text, len(tokens), len(jobs[i].prompt_ids))
+        reason = "stop" if eos is not None and tokens and tokens[-1] in eos else "length"
+        return Stream(sent, arrivals, text, len(tokens), len(jobs[i].prompt_ids), time.perf_counter(), reason)
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="client") as clients:
         start = time.perf_counter()
@@ -410,6 +512,13 @@ class ServerSettings:
     max_num_seqs: int = 16  # vLLM's --max-num-seqs: the concurrency
     preload: str | None = None  # LD_PRELOAD of the *-preloaded contenders
     replicas: int = 2  # engine replicas of ray-prefix and ray-pow2
+    speculative_tokens: int = 4  # draft tokens a step of ours-spec and vllm-spec may verify
+    prompt_lookup: tuple[int, int] = (2, 4)  # vllm-spec's shortest and longest n-gram looked up
+
+    def speculative_config(self) -> str:
+        """vllm-spec's ``--speculative-config``: n-gram prompt lookup."""
+        return json.dumps({"method": "ngram", "num_speculative_tokens": self.speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup[1], "prompt_lookup_min": self.prompt_lookup[0]})
 
     def command(self, contender: str, port: int | str) -> list[str]:
         contender = base_contender(contender)
@@ -422,15 +531,18 @@ class ServerSettings:
                     "--router", "pow2" if contender == "ray-pow2" else "prefix"]
         if contender in OUR_SERVERS:
             flags = {"ours": [], "ours-stock": ["--no-packed-linears"], "ours-bmm": ["--bmm-decode"],
-                     "ours-flex": ["--flex-decode"]}[contender]
+                     "ours-flex": ["--flex-decode"],
+                     "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
+                     }[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
                     self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
                     *flags]
-        if contender == "vllm":
+        if contender in VLLM_SERVERS:
+            spec = ["--speculative-config", self.speculative_config()] if contender == "vllm-spec" else []
             return [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                     "--served-model-name", Path(self.model_path).name, "--dtype", self.dtype,
                     "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(self.budget),
-                    "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+                    "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs), *spec]
         command = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model_path,
                    "--continuous-batching", "--device", "cpu", "--dtype", self.dtype, "--host", "127.0.0.1",
                    "--port", str(port), "--cb-num-blocks", str(self.cb_num_blocks)]
@@ -443,14 +555,15 @@ class ServerSettings:
         preload = {}
         if contender.endswith(PRELOADED):  # before any library the environment already preloads
             preload = {"LD_PRELOAD": " ".join(filter(None, [str(self.preload), os.environ.get("LD_PRELOAD")]))}
-        if base_contender(contender) != "vllm":
+        if not is_vllm(contender):
             return preload
         # vLLM binds its compute threads to these cores (by default one thread on one core).
         cores = "0" if self.threads == 1 else f"0-{self.threads - 1}"
         return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"} | preload
 
     def command_line(self, contender: str) -> str:
-        return " ".join([f"{k}={v}" for k, v in self.own_env(contender).items()] + self.command(contender, "PORT"))
+        return " ".join([f"{k}={v}" for k, v in self.own_env(contender).items()]
+                        + [shlex.quote(part) for part in self.command(contender, "PORT")])
 
     def env(self, contender: str) -> dict[str, str]:
         env = os.environ | {
@@ -535,12 +648,41 @@ def run_server_round(contender: str, settings: ServerSettings, jobs: list[Job], 
     with running_server(contender, settings, log_dir) as (url, startup_seconds):
         asyncio.run(drive_http(url, [request_body(contender, j) for j in warmup], concurrency))
         hits_before = prefix_hit_tokens(url, contender)
+        spec_before = speculation_counters(url, contender)
         timed = asyncio.run(drive_http(url, [request_body(contender, j) for j in jobs], concurrency))
         hits_after = prefix_hit_tokens(url, contender)
+        spec_after = speculation_counters(url, contender)
     timed.startup_seconds = startup_seconds
     if hits_before is not None and hits_after is not None:
         timed.prefix_hit_tokens = hits_after - hits_before
+    if spec_before is not None and spec_after is not None:
+        timed.speculation = {name: value - spec_before.get(name, 0.0) for name, value in spec_after.items()}
     return timed
+
+
+def speculation_counters(url: str, contender: str) -> dict[str, float] | None:
+    """The speculating servers' draft and accepted token counters (``/metrics``: every counter named
+    ``*draft_tokens_total`` or ``*accepted_tokens_total``, summed over its labels); None for the others, or
+    when the server has no such counter or no ``/metrics``."""
+    if contender not in SPECULATIVE:
+        return None
+    response = httpx.get(f"{url}/metrics", timeout=30, trust_env=False)
+    if response.status_code != 200:
+        return None
+    counters: dict[str, float] = {}
+    for name, value in SPEC_COUNTER.findall(response.text):
+        counters[name] = counters.get(name, 0.0) + float(value)
+    return counters or None
+
+
+def acceptance(speculation: dict[str, float] | None) -> dict[str, float] | None:
+    """Draft tokens proposed and accepted, and their ratio, from `speculation_counters`' differences."""
+    if not speculation:
+        return None
+    drafted = sum(v for k, v in speculation.items() if k.endswith("draft_tokens_total"))
+    accepted = sum(v for k, v in speculation.items() if k.endswith("accepted_tokens_total"))
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": accepted / drafted if drafted else None}
 
 
 def prefix_hit_tokens(url: str, contender: str) -> float | None:
@@ -556,12 +698,22 @@ def prefix_hit_tokens(url: str, contender: str) -> float | None:
 
 def run_batcher_round(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jobs: list[Job],
                       warmup: list[Job], budget: int, concurrency: int) -> Round:
+    eos = eos_token_ids(model, tokenizer)
     with ContinuousBatcher(model, max_memory=budget) as batcher:
-        drive_batcher(batcher, tokenizer, warmup, concurrency)
+        drive_batcher(batcher, tokenizer, warmup, concurrency, eos)
         before = batcher.stats().steps
-        timed = drive_batcher(batcher, tokenizer, jobs, concurrency)
+        timed = drive_batcher(batcher, tokenizer, jobs, concurrency, eos)
         timed.steps = step_split(before, batcher.stats().steps)
         return timed
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids an answer that honours EOS stops at: the model's generation config's and the tokenizer's (as our
+    server stops)."""
+    ids: list[int] = []
+    for value in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        ids += [] if value is None else [value] if isinstance(value, int) else list(value)
+    return list(dict.fromkeys(ids))
 
 
 def step_split(before: StepTimes, after: StepTimes) -> dict[str, float]:
@@ -578,17 +730,34 @@ def step_split(before: StepTimes, after: StepTimes) -> dict[str, float]:
     }
 
 
+def generated_tokens(stream: Stream, job: Job) -> int:
+    """The tokens `stream` generated: the server's ``usage``; without it, `job.max_tokens` when EOS was ignored
+    (every answer is that long), else the chunks that carried text (a lower bound: a chunk carries one token or
+    more, several where a step accepted draft tokens)."""
+    if stream.completion_tokens is not None:
+        return stream.completion_tokens
+    return job.max_tokens if job.ignore_eos else len(stream.arrivals)
+
+
 def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
-    tokens = [s.completion_tokens if s.completion_tokens is not None else j.max_tokens
-              for s, j in zip(timed.streams, jobs, strict=True)]
+    tokens = [generated_tokens(s, j) for s, j in zip(timed.streams, jobs, strict=True)]
     ttft = [s.arrivals[0] - s.sent for s in timed.streams if s.arrivals]
     itl = [b - a for s in timed.streams for a, b in itertools.pairwise(s.arrivals)]
+    request_seconds = [s.ended - s.sent for s in timed.streams if s.ended is not None]
+    reasons = [s.finish_reason for s in timed.streams]
     return {
         "seconds": timed.seconds,
         "output_tokens": sum(tokens),
         "tokens_per_s": sum(tokens) / timed.seconds,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
         "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
+        "request_p50_s": percentile(request_seconds, 0.5) if request_seconds else None,
+        "request_p95_s": percentile(request_seconds, 0.95) if request_seconds else None,
+        "request_mean_s": statistics.fmean(request_seconds) if request_seconds else None,
+        "finish_reasons": {reason or "none": reasons.count(reason) for reason in dict.fromkeys(reasons)},
+        "reference_in_answer": sum(j.expected is not None and j.expected.strip() in s.text
+                                   for s, j in zip(timed.streams, jobs, strict=True)),
+        "speculation": acceptance(timed.speculation),
         "lengths_as_requested": sum(s.completion_tokens == j.max_tokens
                                     for s, j in zip(timed.streams, jobs, strict=True)),
         "usage_reported": sum(s.completion_tokens is not None for s in timed.streams),
@@ -603,15 +772,21 @@ def round_metrics(timed: Round, jobs: list[Job]) -> dict[str, Any]:
 def summarise(rounds: list[Round], jobs: list[Job]) -> dict[str, Any]:
     per_round = [round_metrics(r, jobs) for r in rounds]
 
-    def med(key: str) -> float:
-        return statistics.median(m[key] for m in per_round)
+    def med(key: str) -> float | None:
+        values = [m[key] for m in per_round if m[key] is not None]
+        return statistics.median(values) if values else None
 
     throughput = [m["tokens_per_s"] for m in per_round]
     first = [s.text for s in rounds[0].streams]
+    accepted = [m["speculation"]["acceptance"] for m in per_round
+                if m["speculation"] and m["speculation"]["acceptance"] is not None]
     return {
         "tokens_per_s": med("tokens_per_s"), "tokens_per_s_range": [min(throughput), max(throughput)],
+        "output_tokens": med("output_tokens"),
         "ttft_p50_s": med("ttft_p50_s"), "ttft_p95_s": med("ttft_p95_s"),
         "itl_p50_s": med("itl_p50_s"), "itl_p95_s": med("itl_p95_s"),
+        "request_p50_s": med("request_p50_s"), "request_p95_s": med("request_p95_s"),
+        "acceptance": statistics.median(accepted) if accepted else None,
         "prefix_hit_rate": (None if per_round[0]["prefix_hit_rate"] is None else med("prefix_hit_rate")),
         "texts_same_every_round": sum(all(r.streams[i].text == t for r in rounds) for i, t in enumerate(first)),
         "rounds": per_round,
@@ -625,7 +800,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown or not contenders:
         raise SystemExit(f"unknown contenders {unknown}; choose from {CONTENDERS}")
-    if "vllm" in map(base_contender, contenders):
+    if any(map(is_vllm, contenders)):
         check_vllm_python(args.vllm_python)
     model_path = str(ensure_offline_default_model()) if args.model == "default" else resolve_model_path(args.model)
     torch.set_num_threads(args.threads)
@@ -634,9 +809,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if BATCHERS.keys() & set(contenders):
         pad_heap()  # as our server does at start-up, so that `ours / batcher` is what HTTP costs
     bytes_per_token = kv_bytes_per_token(model.config, model.dtype)
-    jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
-    warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
-                       max_new=min(args.max_new, WARMUP_MAX_TOKENS))
+    if args.workload == "grounded":  # the warm-up: other passages (another seed), short answers
+        jobs = make_grounded_jobs(tokenizer, count=args.num_requests, seed=args.seed)
+        warmup = make_grounded_jobs(tokenizer, count=args.concurrency, seed=args.seed + 1, max_new=WARMUP_MAX_TOKENS)
+    else:
+        jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
+        warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
+                           max_new=min(args.max_new, WARMUP_MAX_TOKENS))
     page_size = args.cb_page_size or TRANSFORMERS_PAGE_SIZE
     budget = (parse_memory(args.budget) if args.budget
               else default_budget(jobs + warmup, args.concurrency, bytes_per_token, page_size))
@@ -644,7 +823,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               args.threads, args.start_timeout, dtype=args.dtype, vllm_python=args.vllm_python,
                               max_model_len=math.ceil(longest_request(jobs + warmup) / VLLM_BLOCK_SIZE)
                               * VLLM_BLOCK_SIZE, max_num_seqs=args.concurrency, replicas=args.replicas,
-                              preload=args.preload)
+                              preload=args.preload, speculative_tokens=args.speculative_tokens,
+                              prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
 
     runs: dict[str, list[Round]] = {name: [] for name in contenders}
     plan = [name for _ in range(args.repeats) for name in contenders]
@@ -660,15 +840,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs[name].append(run_server_round(name, settings, jobs, warmup, args.concurrency, Path(log_dir)))
 
     n = len(jobs)
+    grounded = args.workload == "grounded"
     results: dict[str, Any] = {
         "benchmark": "http", "model": model_path, "dtype": str(model.dtype), "threads": args.threads,
-        "endpoint": "/v1/completions (streamed)", "prompts": "text: the workload's token ids decoded, "
-        "tokenized again by each server", "num_requests": n, "concurrency": args.concurrency,
+        "workload": args.workload,
+        "endpoint": "/v1/chat/completions (streamed)" if grounded else "/v1/completions (streamed)",
+        "prompts": ("chat messages (hf_paged_cache.bench.grounded), through each server's chat template" if grounded
+                    else "text: the workload's token ids decoded, tokenized again by each server"),
+        "eos": "honoured: output_tokens and max_tokens are caps; each round counts what was generated" if grounded
+        else "ignored: every answer has its max_tokens",
+        "num_requests": n, "concurrency": args.concurrency,
         "prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "output_tokens": sum(j.max_tokens for j in jobs),
         "prompt_lens": [len(j.prompt_ids) for j in jobs], "max_tokens": [j.max_tokens for j in jobs],
         "budget_bytes": budget, "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
         "prefix_hit_ceiling": prefix_hit_ceiling(jobs),
         "cb_page_size": page_size, "cb_num_blocks": settings.cb_num_blocks, "repeats": args.repeats,
+        "speculative_tokens": args.speculative_tokens if SPECULATIVE_SET & set(contenders) else None,
+        "references": sum(j.expected is not None for j in jobs),
+        "grounded_workload": (grounded_workload_summary(args.num_requests, args.seed) if grounded else None),
         "commands": {c: settings.command_line(c) for c in contenders if c not in BATCHERS},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
     }
@@ -693,20 +882,38 @@ def per_round_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def print_report(results: dict[str, Any]) -> None:
     n = results["num_requests"]
-    rows = [{
-        "contender": name,
-        "tokens/s": r["tokens_per_s"],
-        "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
-        "TTFT p50 / p95 s": f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f}",
-        "ITL p50 / p95 ms": f"{r['itl_p50_s'] * 1e3:.0f} / {r['itl_p95_s'] * 1e3:.0f}",
-        "prefix hits": "" if r.get("prefix_hit_rate") is None else f"{r['prefix_hit_rate']:.1%}",
-        "lengths as asked": f"{min(m['lengths_as_requested'] for m in r['rounds'])}/{n}",
-        "same text every round": f"{r['texts_same_every_round']}/{n}",
-    } for name, r in results["contenders"].items()]
-    print(f"{n} requests ({results['prompt_tokens']} prompt, {results['output_tokens']} output tokens), "
-          f"{results['concurrency']} clients, KV budget {mib(results['budget_bytes']):.1f} MiB, "
-          f"{results['threads']} threads; prefix hits at most {results['prefix_hit_ceiling']:.1%} "
-          "(each shared block computed once)")
+    grounded = results.get("workload") == "grounded"
+    rows = []
+    for name, r in results["contenders"].items():
+        row = {
+            "contender": name,
+            "tokens/s": r["tokens_per_s"],
+            "range": f"{r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}",
+            "TTFT p50 / p95 s": f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f}",
+            "ITL p50 / p95 ms": f"{r['itl_p50_s'] * 1e3:.0f} / {r['itl_p95_s'] * 1e3:.0f}",
+            "request p50 / p95 s": ("" if r.get("request_p50_s") is None
+                                    else f"{r['request_p50_s']:.2f} / {r['request_p95_s']:.2f}"),
+        }
+        if grounded:
+            first = r["rounds"][0]
+            row |= {"output tokens": r["output_tokens"],
+                    "ended by EOS": f"{first['finish_reasons'].get('stop', 0)}/{n}",
+                    "reference copied": f"{first['reference_in_answer']}/{results['references']}"}
+        else:
+            row |= {"prefix hits": "" if r.get("prefix_hit_rate") is None else f"{r['prefix_hit_rate']:.1%}",
+                    "lengths as asked": f"{min(m['lengths_as_requested'] for m in r['rounds'])}/{n}"}
+        row |= {"drafts accepted": "" if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
+                "same text every round": f"{r['texts_same_every_round']}/{n}"}
+        rows.append(row)
+    if grounded:
+        print(f"{n} grounded chat requests ({results['prompt_tokens']} prompt tokens, answers ended by EOS or at "
+              f"their caps, {results['output_tokens']} tokens in all), {results['concurrency']} clients, KV budget "
+              f"{mib(results['budget_bytes']):.1f} MiB, {results['threads']} threads")
+    else:
+        print(f"{n} requests ({results['prompt_tokens']} prompt, {results['output_tokens']} output tokens), "
+              f"{results['concurrency']} clients, KV budget {mib(results['budget_bytes']):.1f} MiB, "
+              f"{results['threads']} threads; prefix hits at most {results['prefix_hit_ceiling']:.1%} "
+              "(each shared block computed once)")
     print(format_table(rows, list(rows[0])))
     for name, r in results["contenders"].items():
         for i, m in enumerate(r["rounds"]):
