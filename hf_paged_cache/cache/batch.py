@@ -83,12 +83,10 @@ class PagedBatch:
                         "cache.activate_past_recording() before forwards you may crop (generate does for "
                         "assisted decoding): the cache then keeps them until the next crop"
                     )
-        for tables, window in zip(self.groups, self.windows):
+        for tables in self.groups:
             tables.truncate(removed)
-            kept = keep_from(is_real, window)
-            if kept is not None:
-                tables.drop_blocks_before(kept)
         self.is_real = is_real
+        self.drop_out_of_window()
 
     def drop_drafts(self, removed: Sequence[int]) -> None:
         """Forget each row's last `removed[b]` tokens (real ones: the rejected drafts of the step that wrote
@@ -102,10 +100,8 @@ class PagedBatch:
         source = torch.arange(length, device=self.is_real.device).unsqueeze(0) - shift  # [B, L]: column it takes
         self.is_real = self.is_real.gather(1, source.clamp(min=0)) & (source >= 0)  # [B, L]
 
-    def fit_windows(self) -> None:
-        """Sliding groups give back the blocks their next queries no longer see (unless `record_past`)."""
-        if self.record_past:
-            return
+    def drop_out_of_window(self) -> None:
+        """Sliding groups give back the blocks their next queries no longer see (after rows got shorter)."""
         for tables, window in zip(self.groups, self.windows):
             kept = keep_from(self.is_real, window)
             if kept is not None:

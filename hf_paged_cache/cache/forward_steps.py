@@ -198,14 +198,16 @@ class ForwardSteps:
         if removed is not None and (len(removed) != step.batch_size or not all(0 <= r <= step.drafts for r in removed)):
             raise ValueError(f"keep={list(keep)}: each of {step.batch_size} rows keeps between "
                              f"{step.query_length - step.drafts} and {step.query_length} new tokens")
+        trimmed = removed is not None and any(removed)
         with self.batch.lock:
             self.step = None
-            if removed is not None and any(removed):
+            if trimmed:
                 self.batch.drop_drafts(removed)
             for tables in self.batch.groups:
                 tables.commit()
-            if removed is not None and any(removed):
-                self.batch.fit_windows()
+            if trimmed:
+                if not self.batch.record_past:  # else they wait for the next `truncate`, as a crop's do
+                    self.batch.drop_out_of_window()
                 drop = self.batch.drop_leading_padding()
                 for layer in self.layers:
                     layer.length -= drop

@@ -65,9 +65,10 @@ class StepExecutor:
     def run(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         positions, picked = len(plan.running), None  # decode positions computed (rows x (1 + drafts)), tokens kept
+        speculates = self.speculator is not None and bool(plan.running) and not plan.chunks  # decode rows only
         drafts = None
         try:
-            drafts = self.speculator.drafts(plan.running) if self.speculator and plan.running and not plan.chunks else None
+            drafts = self.speculator.drafts(plan.running) if speculates else None
             result = self._run_speculative(plan, drafts) if drafts is not None else None
             if result is not None:
                 positions *= 1 + drafts.k
@@ -77,7 +78,7 @@ class StepExecutor:
         finally:
             seconds = time.perf_counter() - start
             self.times = self.times.adding(plan, seconds, picked)
-            if self.speculator is not None and plan.running and not plan.chunks and (drafts is None or picked):
+            if speculates and (drafts is None or picked):
                 self.speculator.costs.add(positions, seconds)  # not a step that ran twice (drafts dropped)
 
     def _run(self, plan: StepPlan) -> StepResult:
@@ -235,12 +236,12 @@ class StepExecutor:
         """Each row's kept tokens from its `logits` ``[1 + k, V]``: the drafts the model picks too, then its own
         token where it first differs (or after the last draft), ending early at a token that stops the row."""
         rows = []
-        best, firsts = logits.max(dim=-1)  # [B, 1 + k] each: plain greedy rows' picks, taken in one reduction
+        best, firsts = (values.tolist() for values in logits.max(dim=-1))  # [B][1 + k]: plain greedy rows' picks
         for row, request in enumerate(requests):
             kept: list[Choice] = []
             for position, draft in enumerate([*drafts.tokens[row], None]):
-                if request.greedy is not None and math.isfinite(float(best[row, position])):
-                    choice = request.greedy_choice(int(firsts[row, position]), position)
+                if request.greedy is not None and math.isfinite(best[row][position]):
+                    choice = request.greedy_choice(firsts[row][position], position)
                 else:
                     after = [c.token for c in kept]
                     choice = _attempts(lambda: request.pick(logits[row, position], after, draft))
