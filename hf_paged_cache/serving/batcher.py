@@ -27,6 +27,7 @@ from ..cache.paged_cache import PagedCache
 from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
+from .draft_model import DraftModel
 from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
@@ -95,8 +96,9 @@ class ContinuousBatcher:
         speculative: ``"ngram"`` verifies draft tokens looked up in each request's own prompt and output, up
             to `speculative_tokens` per row, in the decode steps where that is expected to pay
             (`hf_paged_cache.serving.speculation`); greedy requests give the same tokens, sampled ones the
-            same distribution; a `Speculator` of your own sets how. None (the default) or ``"off"``: one
-            token per row and step.
+            same distribution. A model (a smaller one with the same tokenizer) drafts its own greedy
+            continuation instead (`hf_paged_cache.serving.draft_model`); a `Speculator` of your own sets
+            how. None (the default) or ``"off"``: one token per row and step.
 
     `submit` is thread-safe and starts the loop on first use. `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back. A batcher dropped without `close` finishes the requests
@@ -118,11 +120,13 @@ class ContinuousBatcher:
         reserve_new_tokens: bool = True,
         pack_steps: bool = True,
         kv_dtype: str | torch.dtype | None = None,
-        speculative: str | Speculator | None = None,
+        speculative: str | PreTrainedModel | Speculator | None = None,
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     ):
-        if not isinstance(speculative, Speculator) and speculative not in (None, "off", "ngram"):
-            raise ValueError(f"speculative={speculative!r}: expected 'ngram', 'off' or None")
+        if not isinstance(speculative, (Speculator, PreTrainedModel)) and speculative not in (None, "off", "ngram"):
+            raise ValueError(
+                f"speculative={speculative!r}: expected 'ngram', 'off', None, a draft model or a Speculator"
+            )
         self.model = model
         if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
             try:
@@ -146,7 +150,10 @@ class ContinuousBatcher:
             reserve_new_tokens=reserve_new_tokens,
         )
         speculator = speculative if isinstance(speculative, Speculator) else None
-        if speculative == "ngram":
+        if isinstance(speculative, PreTrainedModel):
+            draft = DraftModel(speculative, vocab_size=self.vocab_size, block_size=block_size)
+            speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1), source=draft)
+        elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
         self._executor = StepExecutor(model, pack_steps, speculator)
         # blocks freed by any cache on the pool wake a loop that waits for room (held weakly by the pool)
@@ -294,6 +301,7 @@ def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners
                 return
             plan = scheduler.plan()
             if plan is None:
+                executor.idle()
                 inbox.wait(seen)  # until a submission, a cancellation, freed blocks or closing
                 continue
             try:
@@ -303,6 +311,7 @@ def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners
             except Exception as error:  # noqa: BLE001 (outside any one request: no request may wait on it forever)
                 scheduler.fail_in_flight(error)
     finally:
+        executor.idle()
         _shut_down(scheduler, listeners)
 
 

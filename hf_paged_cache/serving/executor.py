@@ -81,6 +81,11 @@ class StepExecutor:
             if speculates and (drafts is None or picked):
                 self.speculator.costs.add(positions, seconds)  # not a step that ran twice (drafts dropped)
 
+    def idle(self) -> None:
+        """Nothing runs (the loop waits, or ends): give back what the steps held for requests (draft caches)."""
+        if self.speculator is not None:
+            self.speculator.release()
+
     def _run(self, plan: StepPlan) -> StepResult:
         if self.pack_steps and plan.chunks and (plan.running or len(plan.chunks) > 1):
             result = StepResult()

@@ -5,9 +5,11 @@ row costs little more than a step of one. A row that carries k draft tokens has 
 (`StepExecutor`): the longest prefix the model agrees with is kept, with one token of the model's own after
 it, so a step yields between 1 and k + 1 tokens per row and the output is the output without speculation.
 
-Drafts come from the request's own tokens (`NgramDrafts`, n-gram prompt lookup): the longest suffix of
-`max_n` down to `min_n` tokens that occurred before, and the tokens that followed its latest occurrence.
-Answers that repeat their input (summaries, edits, quotes, code) are where it pays.
+Drafts come from a `DraftSource`, asked for all of a step's rows at once. By default, from each request's own
+tokens (`OwnTokens` of `NgramDrafts`, n-gram prompt lookup): the longest suffix of `max_n` down to `min_n`
+tokens that occurred before, and the tokens that followed its latest occurrence. Answers that repeat their
+input (summaries, edits, quotes, code) are where it pays. A smaller model with the same tokenizer drafts
+from its own greedy continuation (`hf_paged_cache.serving.draft_model.DraftModel`).
 
 Whether a step speculates, and how far (`Speculator.drafts`), is decided from two things measured as the
 batcher runs: each request's recent acceptance (the share of its drafts the model kept, `RowState`), and what
@@ -18,12 +20,15 @@ drafts ``K`` tokens per row for the ``K`` (0 to `max_tokens`) that maximises the
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from .request import Request
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SPECULATIVE_TOKENS = 4
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before any of its drafts was verified
@@ -36,6 +41,25 @@ class Proposer(Protocol):
     of sampled requests relies on it)."""
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+class DraftSource(Protocol):
+    """Where a decode step's drafts come from, for all its rows at once.
+
+    Drafts must be a deterministic function of each request's tokens so far (the rejection rule of sampled
+    requests relies on it). `proposes_as_asked`: the source always proposes as many tokens as it is asked for
+    (a draft model), so the speculator chooses how many before asking, not after seeing what it finds.
+    """
+
+    proposes_as_asked: bool
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        """Up to `limits[b]` tokens to follow the tokens of ``requests[b]`` (the step's rows, in order)."""
+        ...
+
+    def keep_only(self, requests: Sequence[Request]) -> None:
+        """Let go of what is held for any request not in `requests` (those still running)."""
+        ...
 
 
 class NgramDrafts:
@@ -69,11 +93,31 @@ class NgramDrafts:
         self._indexed = max(self._indexed, len(tokens))
 
 
+class OwnTokens:
+    """Drafts from each request's own tokens: one `Proposer` per running request (n-gram lookup by default)."""
+
+    proposes_as_asked = False
+
+    def __init__(self, proposer: Callable[[], Proposer] = NgramDrafts):
+        self.proposer = proposer  # makes each new request's `Proposer`
+        self._rows: dict[Request, Proposer] = {}
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        self.keep_only(requests)
+        proposals = []
+        for request, limit in zip(requests, limits):
+            proposer = self._rows.get(request) or self._rows.setdefault(request, self.proposer())
+            proposals.append(proposer.propose(request.tokens, limit) if limit > 0 else [])
+        return proposals
+
+    def keep_only(self, requests: Sequence[Request]) -> None:
+        self._rows = {r: self._rows[r] for r in requests if r in self._rows}
+
+
 @dataclass
 class RowState:
-    """What the speculator knows of one running request: its drafts' source and its recent acceptance."""
+    """What the speculator knows of one running request: its recent acceptance."""
 
-    drafts: Proposer
     acceptance: float = PRIOR_ACCEPTANCE  # expected share of a draft token the model keeps
 
     def expected_kept(self, k: int) -> float:
@@ -133,19 +177,23 @@ class SpeculationStats:
 
 
 class Speculator:
-    """Chooses each decode step's drafts (`drafts`) and learns from what the step kept (`verified`)."""
+    """Chooses each decode step's drafts (`drafts`) and learns from what the step kept (`verified`).
+
+    `source` (default: `OwnTokens`, n-gram lookup) proposes the drafts. A step whose source fails in any way
+    runs without drafts.
+    """
 
     def __init__(
         self,
         max_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
         adaptive: bool = True,
-        proposer: Callable[[], Proposer] = NgramDrafts,
+        source: DraftSource | None = None,
     ):
         if max_tokens < 1:
             raise ValueError(f"speculative tokens must be at least 1, got {max_tokens}")
         self.max_tokens = max_tokens
         self.adaptive = adaptive  # False: every step drafts as far as the proposals reach (tests, experiments)
-        self.proposer = proposer  # makes each new request's `Proposer`
+        self.source: DraftSource = source if source is not None else OwnTokens()
         self.costs = StepCosts()
         self.stats = SpeculationStats()  # replaced whole after each step: any thread may read it
         self._rows: dict[Request, RowState] = {}
@@ -153,20 +201,34 @@ class Speculator:
     def drafts(self, requests: Sequence[Request]) -> Drafts | None:
         """Draft tokens for a decode step of `requests` (the running rows, in order), or None when a plain
         step is expected to yield more tokens per second (or the cost of a plain step is not known yet)."""
-        self._rows = {r: self._rows.get(r) or RowState(self.proposer()) for r in requests}
-        proposals = []
-        for request in requests:
-            room = request.max_length - len(request.tokens) - 1  # drafts past its longest could never be kept
-            proposals.append(self._rows[request].drafts.propose(request.tokens, min(self.max_tokens, room)))
-        k = self._best_k(requests, proposals)
+        self._rows = {r: self._rows.get(r) or RowState() for r in requests}
+        self.source.keep_only(requests)
+        # drafts past a request's longest could never be kept
+        limits = [max(0, min(self.max_tokens, r.max_length - len(r.tokens) - 1)) for r in requests]
+        try:
+            if self.source.proposes_as_asked:
+                k = self._best_k(requests, limits)
+                proposals = self.source.propose(requests, [min(k, limit) for limit in limits]) if k else []
+            else:
+                proposals = self.source.propose(requests, limits)
+                k = self._best_k(requests, [len(p) for p in proposals])
+        except Exception:  # noqa: BLE001 (drafts are an optimisation: the step runs plainly)
+            logger.warning("drafting failed; the step runs without drafts", exc_info=True)
+            return None
         if not k:
             return None
         tokens = [(p + [p[-1] if p else r.generated[-1]] * k)[:k] for r, p in zip(requests, proposals)]
         return Drafts(tokens, [min(len(p), k) for p in proposals])
 
-    def _best_k(self, requests: Sequence[Request], proposals: list[list[int]]) -> int:
-        """The drafts per row that maximise the expected tokens per second of the step (0: none)."""
-        longest = max(len(p) for p in proposals)
+    def release(self) -> None:
+        """Let go of everything the draft source holds for requests (nothing runs)."""
+        self._rows = {}
+        self.source.keep_only([])
+
+    def _best_k(self, requests: Sequence[Request], lengths: Sequence[int]) -> int:
+        """The drafts per row (row ``b`` has at most `lengths[b]`) that maximise the expected tokens per second
+        of the step (0: none)."""
+        longest = max(lengths)
         rows = len(requests)
         if not longest or not self.adaptive:
             return longest
@@ -176,7 +238,7 @@ class Speculator:
         a, b = line
         best, best_rate = 0, rows / (a + b * rows)
         for k in range(1, longest + 1):
-            kept = sum(self._rows[r].expected_kept(min(k, len(p))) for r, p in zip(requests, proposals))
+            kept = sum(self._rows[r].expected_kept(min(k, length)) for r, length in zip(requests, lengths))
             rate = (rows + kept) / (a + b * rows * (1 + k))
             if rate > best_rate:
                 best, best_rate = k, rate

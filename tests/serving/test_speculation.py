@@ -16,7 +16,8 @@ from tiny_models import tiny_model
 
 from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.serving.request import Request
-from hf_paged_cache.serving.speculation import NgramDrafts, Speculator, StepCosts
+from hf_paged_cache.serving.draft_model import DraftModel
+from hf_paged_cache.serving.speculation import NgramDrafts, OwnTokens, Speculator, StepCosts
 
 
 def looping_prompts(count: int, seed: int) -> list[list[int]]:
@@ -64,6 +65,39 @@ def test_greedy_tokens_are_those_of_plain_decoding(arch):
         assert [p.logprob for p in with_drafts] == pytest.approx([p.logprob for p in without], abs=1e-5)
     assert stats.speculation.accepted_tokens > 0 and stats.speculation.steps > 0
     assert stats.steps.decode_steps < sum(s["max_new_tokens"] for s in settings) - len(settings)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "mistral"])  # gemma3 and mistral: sliding windows
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(arch, draft):
+    """Drafts from a draft model: the target itself (its drafts are nearly all kept: runs of drafts, then the
+    bonus token) and another random model of the same vocabulary (nearly all rejected: its caches are cropped
+    back every step, through sliding windows too)."""
+    model = tiny_model(arch)
+    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(n)] for i, n in enumerate((9, 23, 14, 31, 5))]
+    settings = [dict(max_new_tokens=n, do_sample=False) for n in (30, 12, 25, 40, 18)]
+    settings[2]["repetition_penalty"] = 1.2  # through Request.pick
+    settings[3]["logprobs"] = 2
+    options = dict(num_blocks=90, block_size=4, max_step_tokens=24)
+    drafter = model if draft == "itself" else tiny_model("llama", seed=1)
+    plain, _ = run(model, prompts, settings, None, **options)
+    speculator = Speculator(3, adaptive=False, source=DraftModel(drafter, block_size=4))
+    speculative, stats = run(model, prompts, settings, speculator, **options)
+    assert [tokens for tokens, _ in speculative] == [tokens for tokens, _ in plain]
+    for (_, with_drafts), (_, without) in zip(speculative, plain):
+        assert [p.logprob for p in with_drafts] == pytest.approx([p.logprob for p in without], abs=1e-5)
+    assert stats.speculation.steps > 0
+    if draft == "itself":
+        assert stats.speculation.acceptance > 0.9
+        assert stats.steps.decode_steps < (sum(s["max_new_tokens"] for s in settings) - len(settings)) / 2
+    else:
+        assert stats.speculation.acceptance < 0.5
+    assert all(blocks.num_used == 0 for blocks in speculator.source.pool.groups)  # all draft caches given back
+
+
+def test_a_draft_model_must_read_from_the_pool():
+    with pytest.raises(ValueError, match="cannot be a draft model"):
+        DraftModel(tiny_model("falcon"))
 
 
 def test_a_pool_without_room_for_drafts_decodes_plainly():
@@ -160,7 +194,8 @@ def test_sampled_requests_keep_the_distribution_of_plain_decoding():
     prompt = looping_prompts(1, seed=5)[0]
     choices = 300  # one prompt's choices, choice i seeded i: every decode step runs them all, drafts or none
     samples = {}
-    for name, speculative in (("plain", None), ("speculative", Speculator(2, adaptive=False, proposer=Constant))):
+    constant_drafts = Speculator(2, adaptive=False, source=OwnTokens(Constant))
+    for name, speculative in (("plain", None), ("speculative", constant_drafts)):
         with ContinuousBatcher(model, speculative=speculative, num_blocks=1200, block_size=4,
                                max_running=choices) as batcher:
             handles = batcher.submit_group(prompt, choices, max_new_tokens=4, do_sample=True, temperature=0.05,
