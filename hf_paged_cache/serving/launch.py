@@ -82,12 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests waiting to start; more get 429 (default: 256)")
     parser.add_argument("--max-step-tokens", type=_positive,
                         help="most prompt tokens prefilled per step (default: 512)")
-    parser.add_argument("--speculative", default="off", choices=["ngram", "off"],
-                        help="speculative decoding: ngram verifies draft tokens looked up in each request's own "
-                             "prompt and answer, in the decode steps where that is expected to pay; the answers "
-                             "are the same (default: off)")
+    parser.add_argument("--speculative", default="off", type=_speculative, metavar="{ngram,draft:MODEL,off}",
+                        help="speculative decoding, in the decode steps where it is expected to pay; the answers "
+                             "are the same: ngram verifies draft tokens looked up in each request's own prompt "
+                             "and answer; draft:MODEL those a smaller model with the same tokenizer writes "
+                             "(a Hub id, a local path or an offline name, loaded as --model is) (default: off)")
     parser.add_argument("--speculative-tokens", type=_positive, default=4,
-                        help="most draft tokens per request and step with --speculative ngram (default: 4)")
+                        help="most draft tokens per request and step with --speculative (default: 4)")
     parser.add_argument(
         "--reserve-new-tokens", action=argparse.BooleanOptionalAction, default=False,
         help="admit a request only when the pool holds its prompt and all of max_tokens (never preempted); "
@@ -140,6 +141,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
+
+
+def _speculative(text: str) -> str:
+    if text in ("ngram", "off") or (text.startswith("draft:") and text[len("draft:"):].strip()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected ngram, draft:MODEL or off, got {text!r}")
 
 
 def _seconds(text: str) -> float:
@@ -196,7 +203,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
-        speculative=options.speculative, speculative_tokens=options.speculative_tokens,
+        speculative=_speculative_option(options, dtype), speculative_tokens=options.speculative_tokens,
     )
     _log_pool(batcher)
     if options.flex_decode:
@@ -241,15 +248,24 @@ def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
     # else the kernel logged why it did not compile, and decode steps gather as paged_sdpa's
 
 
-def _load_model(options: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, Any]:
-    if options.model in OFFLINE_MODELS:
-        return load_model_and_tokenizer(OFFLINE_MODELS[options.model], device=options.device, dtype=dtype)
+def _speculative_option(options: argparse.Namespace, dtype: torch.dtype) -> Any:
+    """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded."""
+    if not options.speculative.startswith("draft:"):
+        return options.speculative
+    name = options.speculative[len("draft:"):]
+    logger.info("loading the draft model %s (%s on %s)", name, dtype, options.device)
+    return _load_model(options, dtype, name)[0]
+
+
+def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | None = None) -> tuple[Any, Any]:
+    """The model `name` (default: ``--model``) and its tokenizer."""
+    name = name or options.model
+    if name in OFFLINE_MODELS:
+        return load_model_and_tokenizer(OFFLINE_MODELS[name], device=options.device, dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        options.model, dtype=dtype, trust_remote_code=options.trust_remote_code,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=options.trust_remote_code)
     return model.to(options.device).eval(), tokenizer
 
 
