@@ -19,9 +19,10 @@ the block tables' references to it, and every block the prefix index holds is wr
 finished request (each choice of a group) is exact and its log-probabilities name its tokens; a failed one
 failed with its own fault; a cancelled one streamed a prefix of its reference; the pool holds no block.
 
-Each case runs twice: as drawn, and with speculative decoding on (drafts from the requests' own tokens at
-every decode step, `Speculator(adaptive=False)`), its sampled requests then greedy (speculation keeps a
-sampled request's distribution, not the draws of ``generate``).
+Each case runs twice: as drawn, and with speculative decoding on at every decode step
+(`Speculator(adaptive=False)`: drafts from the requests' own tokens for even seeds, from a draft model, a
+twin of the model, for odd ones), its sampled requests then greedy (speculation keeps a sampled request's
+distribution, not the draws of ``generate``).
 
 Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
 a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
@@ -47,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_paged_cache import ContinuousBatcher, RequestCancelled
 from hf_paged_cache.pool.block_pool import NULL_BLOCK
+from hf_paged_cache.serving.draft_model import DraftModel
 from hf_paged_cache.serving.speculation import Speculator
 
 CASES = int(os.environ.get("HF_PAGED_CACHE_FUZZ_CASES", "3"))
@@ -204,7 +206,9 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
     model = fuzz_model(model_type)
     specs, batcher_kwargs = draw_case(rng, model_type)
     if speculative:
-        batcher_kwargs["speculative"] = Speculator(3, adaptive=False)
+        # odd seeds draft with a twin of the model (no faults injected into it), even ones by n-gram lookup
+        source = DraftModel(fuzz_model(model_type), block_size=4) if seed % 2 else None
+        batcher_kwargs["speculative"] = Speculator(3, adaptive=False, source=source)
         for spec in specs:
             spec.settings = {k: v for k, v in spec.settings.items() if k not in ("do_sample", "seed", "temperature", "top_k")}
     bad = references(model, specs)
