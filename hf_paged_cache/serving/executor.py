@@ -15,11 +15,11 @@ is isolated:
    fails alone, the rows run once more together, and if that fails too, the fault is no single request's:
    every row of the step fails with it (never with a wrong token).
 
-With a `Speculator`, a step of decode rows only may carry draft tokens (`serving.speculation`): the rows and
-their drafts run in one forward of 1 + k positions per row, each row keeps the drafts the model agrees with
-and one token of its own after them, and the cache drops the rest (`PagedCache.commit` with ``keep``). A
-speculative step that fails in any way (a forward, a pick, no blocks for the drafts) is dropped whole and
-the step runs again without drafts, isolated as above.
+With a `Speculator`, the decode rows of a step may carry draft tokens (`serving.speculation`): the rows and
+their drafts run in one forward of 1 + k positions per row (packed with the step's prompt chunks, if any),
+each row keeps the drafts the model agrees with and one token of its own after them, and the cache drops the
+rest (`PagedCache.commit` with ``keep``). A speculative step that fails in any way (a forward, a pick, no
+blocks for the drafts) is dropped whole and the step runs again without drafts, isolated as above.
 
 Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
 fails alone and the others keep their tokens. The decode rows of plain greedy requests (`Request.greedy`) take
@@ -64,22 +64,24 @@ class StepExecutor:
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        positions, picked = len(plan.running), None  # decode positions computed (rows x (1 + drafts)), tokens kept
-        speculates = self.speculator is not None and bool(plan.running) and not plan.chunks  # decode rows only
+        prompt_tokens = sum(len(chunk.tokens) for chunk in plan.chunks)
+        positions, picked = len(plan.running) + prompt_tokens, None  # positions computed, decode tokens kept
+        # drafts ride on the decode rows of a step that runs as one forward (prompt chunks packed with them)
+        speculates = self.speculator is not None and bool(plan.running) and (not plan.chunks or self.pack_steps)
         drafts = None
         try:
-            drafts = self.speculator.drafts(plan.running) if speculates else None
+            drafts = self.speculator.drafts(plan.running, prompt_tokens) if speculates else None
             result = self._run_speculative(plan, drafts) if drafts is not None else None
             if result is not None:
-                positions *= 1 + drafts.k
-                picked = len(result.choices) + sum(len(kept) for kept in result.accepted.values())
+                positions += len(plan.running) * drafts.k
+                picked = len(plan.running) + sum(len(kept) for kept in result.accepted.values())
                 return result
             return self._run(plan)
         finally:
             seconds = time.perf_counter() - start
             self.times = self.times.adding(plan, seconds, picked)
-            if speculates and (drafts is None or picked):
-                self.speculator.costs.add(positions, seconds)  # not a step that ran twice (drafts dropped)
+            if speculates and not plan.chunks and (drafts is None or picked):  # the line is fitted to decode
+                self.speculator.costs.add(positions, seconds)  # steps, not to one that ran twice (drafts dropped)
 
     def idle(self) -> None:
         """Nothing runs (the loop waits, or ends): give back what the steps held for requests (draft caches)."""
@@ -106,12 +108,17 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ packed
 
-    def _run_packed(self, plan: StepPlan, result: StepResult) -> None:
+    def _run_packed(self, plan: StepPlan, result: StepResult, drafts: Drafts | None = None) -> list[list[Choice]]:
+        """The step's decode rows and prompt chunks in one packed forward, their picks in `result`. With
+        `drafts`, each decode row carries its drafts (``1 + k`` positions) and keeps what `_verify_rows` keeps:
+        returned, for the caller to put in `result`. Any failure propagates with every cache as it was."""
+        cache, running = plan.running_cache, plan.running
+        q = 1 + (drafts.k if drafts is not None else 0)  # positions per decode row
         segments, logits_at, chunk_rows = [], [], []
-        if plan.running:
-            segments.append(Segment(plan.running_cache, *self._decode_inputs(plan.running_cache, plan.running)))
-            logits_at += range(len(plan.running))
-        end = len(plan.running)
+        if running:
+            segments.append(Segment(cache, *self._decode_inputs(cache, running, drafts)))
+            logits_at += range(len(running) * q)  # row b's position j at b * q + j
+        end = len(logits_at)
         for chunk in plan.chunks:
             positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens)).unsqueeze(0)  # [1, c]
             segments.append(Segment(chunk.cache, torch.tensor([chunk.tokens]), positions))
@@ -119,9 +126,15 @@ class StepExecutor:
             chunk_rows.append(slice(len(logits_at), len(logits_at) + len(wanted)))
             logits_at += [end + offset for offset in wanted]
             end += len(chunk.tokens)
+        if drafts is not None:
+            cache.expect_drafts(drafts.k)
         logits = packed_forward(self.model, segments, logits_at)  # [len(logits_at), vocab]; every cache pending
+        kept: list[list[Choice]] = []
         try:
-            self._choose_rows(plan.running, logits[: len(plan.running)], result)
+            if drafts is None:
+                self._choose_rows(running, logits[: len(running)], result)
+            elif running:
+                kept = self._verify_rows(running, logits[: len(running) * q].unflatten(0, (len(running), q)), drafts)
             for chunk, rows in zip(plan.chunks, chunk_rows):
                 self._chunk_done(chunk, logits[rows], result)
         except BaseException:
@@ -129,8 +142,12 @@ class StepExecutor:
                 segment.cache.settle()
             raise
         for segment in segments:
-            segment.cache.commit()
+            if segment.cache is cache and kept:
+                cache.commit(keep=[len(choices) for choices in kept])
+            else:
+                segment.cache.commit()
         self.packed_steps += 1
+        return kept
 
     # ------------------------------------------------------------------ unpacked
 
@@ -215,9 +232,16 @@ class StepExecutor:
     # ------------------------------------------------------------------ speculative
 
     def _run_speculative(self, plan: StepPlan, drafts: Drafts) -> StepResult | None:
-        """The decode rows with their `drafts` verified in one forward, or None (every cache as it was) when
-        anything fails: the step then runs without drafts."""
+        """The decode rows with their `drafts` verified in one forward (with the step's prompt chunks, packed),
+        or None (every cache as it was) when anything fails: the step then runs without drafts."""
         cache, requests = plan.running_cache, plan.running
+        if plan.chunks:
+            result = StepResult()
+            try:
+                kept = self._run_packed(plan, result, drafts)
+            except Exception:  # noqa: BLE001 (rolled back: the plain step isolates the cause, or stops packing)
+                return None
+            return self._verified(requests, drafts, kept, result)
         try:
             logits = self._decode_forward(cache, requests, drafts)  # [B, 1 + k, V]
         except Exception:  # noqa: BLE001 (rolled back by the cache: the plain step isolates the cause)
@@ -231,8 +255,13 @@ class StepExecutor:
             cache.settle()
             raise
         cache.commit(keep=[len(choices) for choices in kept])
+        return self._verified(requests, drafts, kept, StepResult())
+
+    def _verified(
+        self, requests: list[Request], drafts: Drafts, kept: list[list[Choice]], result: StepResult
+    ) -> StepResult:
+        """`result` with each decode row's `kept` tokens: the drafts it kept, then its own token."""
         self.speculator.verified(requests, drafts, [len(choices) - 1 for choices in kept])
-        result = StepResult()
         for request, choices in zip(requests, kept):
             result.accepted[request], result.choices[request] = choices[:-1], choices[-1]
         return result

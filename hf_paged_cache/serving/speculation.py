@@ -198,20 +198,21 @@ class Speculator:
         self.stats = SpeculationStats()  # replaced whole after each step: any thread may read it
         self._rows: dict[Request, RowState] = {}
 
-    def drafts(self, requests: Sequence[Request]) -> Drafts | None:
-        """Draft tokens for a decode step of `requests` (the running rows, in order), or None when a plain
-        step is expected to yield more tokens per second (or the cost of a plain step is not known yet)."""
+    def drafts(self, requests: Sequence[Request], prompt_tokens: int = 0) -> Drafts | None:
+        """Draft tokens for a step of the decode rows `requests` (the running rows, in order) and
+        `prompt_tokens` tokens of prompt chunks, or None when a plain step is expected to yield more tokens per
+        second (or the cost of a plain step is not known yet)."""
         self._rows = {r: self._rows.get(r) or RowState() for r in requests}
         self.source.keep_only(requests)
         # drafts past a request's longest could never be kept
         limits = [max(0, min(self.max_tokens, r.max_length - len(r.tokens) - 1)) for r in requests]
         try:
             if self.source.proposes_as_asked:
-                k = self._best_k(requests, limits)
+                k = self._best_k(requests, limits, prompt_tokens)
                 proposals = self.source.propose(requests, [min(k, limit) for limit in limits]) if k else []
             else:
                 proposals = self.source.propose(requests, limits)
-                k = self._best_k(requests, [len(p) for p in proposals])
+                k = self._best_k(requests, [len(p) for p in proposals], prompt_tokens)
         except Exception:  # noqa: BLE001 (drafts are an optimisation: the step runs plainly)
             logger.warning("drafting failed; the step runs without drafts", exc_info=True)
             return None
@@ -225,21 +226,21 @@ class Speculator:
         self._rows = {}
         self.source.keep_only([])
 
-    def _best_k(self, requests: Sequence[Request], lengths: Sequence[int]) -> int:
-        """The drafts per row (row ``b`` has at most `lengths[b]`) that maximise the expected tokens per second
-        of the step (0: none)."""
+    def _best_k(self, requests: Sequence[Request], lengths: Sequence[int], prompt_tokens: int = 0) -> int:
+        """The drafts per row (row ``b`` has at most `lengths[b]`) that maximise the expected decode tokens
+        per second of a step that also computes `prompt_tokens` (0: none)."""
         longest = max(lengths)
         rows = len(requests)
         if not longest or not self.adaptive:
             return longest
         line = self.costs.line()
         if line is None:  # measure a plain step first, then a speculative one
-            return 0 if not self.costs.has(rows) else longest
+            return 0 if not self.costs.has(rows + prompt_tokens) else longest
         a, b = line
-        best, best_rate = 0, rows / (a + b * rows)
+        best, best_rate = 0, rows / (a + b * (rows + prompt_tokens))
         for k in range(1, longest + 1):
             kept = sum(self._rows[r].expected_kept(min(k, length)) for r, length in zip(requests, lengths))
-            rate = (rows + kept) / (a + b * rows * (1 + k))
+            rate = (rows + kept) / (a + b * (rows * (1 + k) + prompt_tokens))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

@@ -17,6 +17,7 @@ from tiny_models import tiny_model
 from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.serving.request import Request
 from hf_paged_cache.serving.draft_model import DraftModel
+from hf_paged_cache.serving.executor import StepExecutor
 from hf_paged_cache.serving.speculation import NgramDrafts, OwnTokens, Speculator, StepCosts
 
 
@@ -65,6 +66,32 @@ def test_greedy_tokens_are_those_of_plain_decoding(arch):
         assert [p.logprob for p in with_drafts] == pytest.approx([p.logprob for p in without], abs=1e-5)
     assert stats.speculation.accepted_tokens > 0 and stats.speculation.steps > 0
     assert stats.steps.decode_steps < sum(s["max_new_tokens"] for s in settings) - len(settings)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_drafts_ride_in_steps_with_prompt_chunks(arch, monkeypatch):
+    """Decode rows carry their drafts in packed steps too (with other requests' prompt chunks): same tokens."""
+    verified_packed = []
+    run_packed = StepExecutor._run_packed
+
+    def spy(self, plan, result, drafts=None):
+        kept = run_packed(self, plan, result, drafts)
+        verified_packed.append(bool(kept))
+        return kept
+
+    monkeypatch.setattr(StepExecutor, "_run_packed", spy)
+    model = tiny_model(arch)
+    prompts = looping_prompts(6, seed=11)
+    settings = [dict(max_new_tokens=n, do_sample=False) for n in (30, 20, 25, 12, 28, 16)]
+    settings[1]["logprobs"] = 1
+    options = dict(num_blocks=90, block_size=4, max_step_tokens=8)  # prompts prefilled over several steps
+    plain, _ = run(model, prompts, settings, None, **options)
+    assert not any(verified_packed)
+    speculative, _ = run(model, prompts, settings, Speculator(4, adaptive=False), **options)
+    assert [tokens for tokens, _ in speculative] == [tokens for tokens, _ in plain]
+    with_drafts, without = speculative[1][1], plain[1][1]
+    assert [p.logprob for p in with_drafts] == pytest.approx([p.logprob for p in without], abs=1e-5)
+    assert any(verified_packed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "mistral"])  # gemma3 and mistral: sliding windows
