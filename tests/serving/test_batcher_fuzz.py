@@ -8,7 +8,9 @@ a random chunk budget. Some requests carry their own fault (a prompt token the m
 are made to pick that breaks their next decode step, a token choice that always raises), some a transient
 one (a token choice that raises once), some are cancelled by their client mid-stream, some ask for several
 choices of their prompt (``submit_group``: one prefill, shared blocks; a cancelled group cancels its first
-choice only) or for log-probabilities of their new and prompt tokens, and a chaos thread
+choice only) or for log-probabilities of their new and prompt tokens, some are held to a grammar (a regex, a
+choice of strings or a JSON schema, through `grammar_constraint`: its state must follow the request through
+faults, retried choices, cancellation and preemption as if it ran alone), and a chaos thread
 arms transient faults one at a time (before or after a random decoder layer, in the final norm, in the LM
 head) while a reader thread reads the batcher's and its caches' stats. Every newly taken block is filled
 with NaN first, so a slot read or registered before it is written shows.
@@ -33,16 +35,20 @@ and faults.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import random
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 from batcher_helpers import alone
 from faults import Force, Injected, RaiseInChoice, fail_next, poison
+from json_tokenizer import json_tokenizer
 from tiny_models import VOCAB, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
@@ -50,10 +56,34 @@ from hf_paged_cache import ContinuousBatcher, RequestCancelled
 from hf_paged_cache.pool.block_pool import NULL_BLOCK
 from hf_paged_cache.serving.draft_model import DraftModel
 from hf_paged_cache.serving.speculation import Speculator
+from hf_paged_cache.structured import Grammars, GrammarSpec, grammar_constraint
 
 CASES = int(os.environ.get("HF_PAGED_CACHE_FUZZ_CASES", "3"))
 BLOCK = 4
 GPT2_POSITIONS = 64
+GRAMMARS = [  # what constrained requests are held to (short enough to end within a request's 1-12 tokens)
+    GrammarSpec.regex(r"[a-z]{2,5}[0-9]"),
+    GrammarSpec.choice(["yes", "no", "maybe"]),
+    GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                             "additionalProperties": False}),
+]
+
+
+@functools.cache
+def compiled_grammars() -> list:
+    """`GRAMMARS` compiled for the character tokenizer of the tiny models' vocabulary."""
+    with tempfile.TemporaryDirectory() as path:
+        grammars = Grammars(json_tokenizer(Path(path)), VOCAB, [2])
+    return [grammars.compile(spec) for spec in GRAMMARS]
+
+
+def constraint(spec: Spec) -> dict:
+    """The processor and stopping criterion that hold `spec`'s answer to its grammar (fresh ones: a
+    reference's own, or a submission's), as keyword arguments; none for an unconstrained spec."""
+    if spec.grammar is None:
+        return {}
+    processor, stop = grammar_constraint(compiled_grammars()[spec.grammar], prompt_length=len(spec.prompt))
+    return dict(logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop])
 
 
 def fuzz_model(model_type: str):
@@ -77,6 +107,7 @@ class Spec:
     client: int = 0
     delay: float = 0.0  # seconds its client waits before submitting it
     n: int = 1  # choices of its prompt (submit_group); choice i samples with seed + i
+    grammar: int | None = None  # index in GRAMMARS of what its answer is held to
     references: list[list[int]] = field(default_factory=list)  # one per choice
 
     @property
@@ -107,6 +138,9 @@ def draw_case(rng: random.Random, model_type: str) -> tuple[list[Spec], dict]:
             spec.at = rng.randrange(spec.new_tokens + 1)
         if spec.kind != "poison_decode" and rng.random() < 0.25:
             spec.n = rng.choice([2, 3])
+        if spec.kind != "poison_decode" and rng.random() < 0.2:  # a forced poison is no grammar's token
+            spec.grammar = rng.randrange(len(GRAMMARS))
+            spec.settings.pop("top_k", None)  # generate filters before the mask, the batcher after: no top-k
         if rng.random() < 0.3:
             spec.settings = {**spec.settings, "logprobs": rng.choice([0, 2]), "prompt_logprobs": rng.choice([None, 1])}
         specs.append(spec)
@@ -140,7 +174,9 @@ def references(model, specs: list[Spec]) -> int | None:
             elif choice:
                 spec.references.append(spec.references[0])  # greedy: every choice the same
                 continue
-            spec.references.append(alone(model, spec.prompt, max_new_tokens=spec.new_tokens, **settings))
+            spec.references.append(
+                alone(model, spec.prompt, max_new_tokens=spec.new_tokens, **settings, **constraint(spec))
+            )
     unused = set(range(3, VOCAB)) - {t for s in specs for ref in s.references for t in (*s.prompt, *ref)}
     bad = min(unused, default=None)
     for spec in specs:
@@ -296,8 +332,8 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
 def serve_one(batcher, spec: Spec, bad: int) -> list[tuple]:
     """Submit `spec` and follow each choice to its end: ("done", tokens) or ("error", error, tokens streamed);
     a group whose spec is "cancel" cancels its first choice only."""
-    settings = dict(spec.settings)
-    processors = []
+    settings = {**spec.settings, **constraint(spec)}
+    processors = list(settings.pop("logits_processor", []))
     if spec.kind == "poison_decode":
         processors.append(Force(bad, spec.at, len(spec.prompt)))
     if spec.kind in ("choice_once", "choice_always"):
