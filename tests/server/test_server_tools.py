@@ -1,7 +1,7 @@
 """Tool calls through the real server and the official `openai` client: ``tool_choice`` required and named
 (held to the tool's parameter schema by the mask, so even the tiny random model's arguments validate), ``auto``
-parsed from an answer scripted with ``guided_regex``, streamed deltas that join into the same call, and the
-400s. The parsers and their grammars are also checked without a server, for both formats."""
+parsed from an answer scripted with ``guided_regex``, streamed deltas (the arguments in pieces as they are
+written) that join into the same call, and the 400s. The parsers and their grammars are also checked without a server, for both formats."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from json_tokenizer import json_tokenizer
 from server_process import KEY, NAME
 
 from hf_paged_cache.serving.http.errors import APIError
+from hf_paged_cache.serving.http.tool_deltas import ToolDeltas
 from hf_paged_cache.serving.http.tools import tool_request
 from hf_paged_cache.structured import Grammars
 
@@ -84,9 +85,10 @@ def test_auto_parses_the_calls_the_model_wrote(client):
 
 
 def test_streamed_deltas_join_into_the_same_call(client):
+    """The call opens with its id and name, then its arguments come in pieces as they are written."""
     whole = ask(client, tool_choice="required").choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, pieces = [], 0
     for chunk in ask(client, tool_choice="required", stream=True):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
@@ -94,8 +96,10 @@ def test_streamed_deltas_join_into_the_same_call(client):
                 call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
                 call["name"] += (delta.function.name or "") if delta.function else ""
                 call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+                pieces += bool(delta.function and delta.function.arguments) and choice.finish_reason is None
     assert list(calls) == [0] and calls[0]["id"].startswith("call_")
     assert (calls[0]["name"], calls[0]["arguments"]) == (whole.function.name, whole.function.arguments)
+    assert pieces > 3  # streamed as written, not whole at the end
     assert reasons[-1] == "tool_calls"
 
 
@@ -140,8 +144,8 @@ def _escaped(text: str) -> str:
     return "".join("\\" + c if c in "\\.^$|?*+()[]{}" else c for c in text).replace("\n", "\\n")
 
 
-def test_auto_streams_content_as_it_comes_and_calls_at_the_end(client):
-    """Text that cannot be a call is streamed token by token; the call comes whole after it."""
+def test_auto_streams_content_and_calls_as_they_come(client):
+    """Text that cannot be a call is streamed token by token; then the call, its arguments in pieces."""
     regex = _escaped("Sure thing. " + SCRIPTED)
     contents, calls = [], []
     for chunk in ask(client, stream=True, extra_body={"guided_regex": regex}):
@@ -151,7 +155,38 @@ def test_auto_streams_content_as_it_comes_and_calls_at_the_end(client):
             calls += choice.delta.tool_calls or []
     assert "".join(contents) == "Sure thing." and len(contents) > 3
     assert [c.function.name for c in calls if c.function.name] == ["add"]
-    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"a": 1, "b": 2}
+    assert "".join(c.function.arguments or "" for c in calls) == '{"a": 1, "b": 2}'  # as the model wrote it
+    assert len([c for c in calls if c.function.arguments]) > 3
     plain = [choice.delta.content for chunk in ask(client, stream=True, extra_body={"guided_regex": "no tools here"})
              for choice in chunk.choices if choice.delta.content]
     assert "".join(plain) == "no tools here" and len(plain) > 3
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Hi. <tool_call>\n{"name": "add", "arguments": {"a": "}\\"{", "b": [2]}}\n</tool_call>'
+               '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": "}\\";{", "b": [2]}}; {"name": "f", "parameters": {}}'),
+])
+def test_streamed_pieces_of_any_prefix_join_into_the_whole_answer(parser, text):
+    """Fed the answer a character at a time (strings holding braces, quotes and semicolons), the deltas join
+    into the content and the calls of the whole answer; an answer cut inside a call sends no copy of it as text."""
+    tools = tool_request(TOOLS, "auto", None, parser)
+    stream = ToolDeltas(tools)
+    deltas = [delta for end in range(1, len(text)) for delta in stream.update(text[:end])]
+    ending, calls = stream.end(text)
+    content, joined = "", {}
+    for delta in deltas + ending:
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            call = joined.setdefault(part.index, {"name": "", "arguments": ""})
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+    expected_content, expected = tools.calls(text)
+    assert content == (expected_content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in joined.values()] == [
+        (call.name, json.loads(call.arguments)) for call in expected] == [("add", {"a": '}"{' if parser == "hermes"
+                                                                                 else '}";{', "b": [2]}), ("f", {})]
+    assert sum(bool(d.tool_calls and d.tool_calls[0].function.arguments) for d in deltas) > 5  # in pieces
+    cut, at = ToolDeltas(tools), text.index('"b"')  # inside the first call's arguments
+    sent = [d for end in range(1, at) for d in cut.update(text[:end])] + cut.end(text[:at])[0]
+    assert cut.calls and not any("add" in (d.content or "") for d in sent)

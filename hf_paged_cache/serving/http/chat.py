@@ -16,8 +16,6 @@ from .engine import EngineClient
 from .generation import ChoiceResult, Generation
 from .protocol import (
     AssistantMessage,
-    DeltaFunctionCall,
-    DeltaToolCall,
     FunctionCall,
     ToolCall,
     ChatChoice,
@@ -29,6 +27,7 @@ from .protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from .tool_deltas import ToolDeltas
 from .tools import ToolRequest
 
 
@@ -41,8 +40,8 @@ class ChatFormatter:
         logprobs: alternatives per token (None: no logprobs).
         tokens_as_ids: name tokens ``token_id:N`` in logprobs.
         tools: the request's tools, whose calls are parsed out of each answer (None: no tools). A streamed
-            answer with tools sends the text that cannot be part of a call as it comes (`sure_content`), and
-            its calls' deltas once it ends.
+            answer with tools sends the text that cannot be part of a call and each call's arguments as they
+            come (`ToolDeltas`).
     """
 
     def __init__(self, engine: EngineClient, *, model: str, logprobs: int | None, tokens_as_ids: bool,
@@ -77,21 +76,12 @@ class ChatFormatter:
         results = [ChoiceResult(choice.index, choice.prompt_index) for choice in generation.choices]
         for result in results:
             yield self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(role="assistant", content="")))
-        sent: dict[int, str] = {}  # with tools: the content each choice has streamed, known not to be a call
+        sent = {result.index: ToolDeltas(self.tools) for result in results} if self.tools is not None else {}
         async for update in generation:
             results[update.index].add(update)
             if self.tools is not None:
-                result = results[update.index]
-                if update.finish_reason:
-                    for chunk in self._tool_chunks(result, sent.get(update.index, "")):
-                        yield chunk
-                    continue
-                sure = result.text[: self.tools.parser.sure_content(result.text)]
-                already = sent.get(update.index, "")
-                if len(sure) > len(already):
-                    sent[update.index] = sure
-                    yield self._chunk(ChatStreamChoice(index=update.index,
-                                                       delta=DeltaMessage(content=sure[len(already):])))
+                for chunk in self._tool_chunks(results[update.index], sent[update.index], update.finish_reason):
+                    yield chunk
                 continue
             if not (update.text or update.finish_reason or (update.tokens and self.logprobs is not None)):
                 continue
@@ -103,23 +93,18 @@ class ChatFormatter:
         if include_usage:
             yield ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage(generation, results))
 
-    def _tool_chunks(self, result: ChoiceResult, sent: str) -> list[ChatCompletionChunk]:
-        """The end of a streamed answer of a request with tools: the rest of its content (after `sent`), each call
-        (its id and name, then its arguments) and the finish reason, as OpenAI streams them."""
-        content, calls = self._calls(result.text)
-        rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
-        chunks = []
-        if rest:
-            chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(content=rest))))
-        for number, call in enumerate(calls):
-            opening = DeltaToolCall(index=number, id=call.id, type="function",
-                                    function=DeltaFunctionCall(name=call.name, arguments=""))
-            arguments = DeltaToolCall(index=number, function=DeltaFunctionCall(arguments=call.arguments))
-            for part in (opening, arguments):
-                chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(tool_calls=[part]))))
-        chunks.append(self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(),
-                                                   finish_reason=self._finish_reason(result.finish_reason, calls))))
-        return chunks
+    def _tool_chunks(
+        self, result: ChoiceResult, sent: ToolDeltas, finish_reason: str | None
+    ) -> list[ChatCompletionChunk]:
+        """What a streamed answer of a request with tools adds (its content and its calls' pieces, as OpenAI
+        streams them), and once it ends (`finish_reason`), the chunk with the reason."""
+        if not finish_reason:
+            deltas = sent.update(result.text)
+            return [self._chunk(ChatStreamChoice(index=result.index, delta=delta)) for delta in deltas]
+        deltas, calls = sent.end(result.text)
+        reason = self._finish_reason(result.finish_reason, calls)
+        return [*(self._chunk(ChatStreamChoice(index=result.index, delta=delta)) for delta in deltas),
+                self._chunk(ChatStreamChoice(index=result.index, delta=DeltaMessage(), finish_reason=reason))]
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])

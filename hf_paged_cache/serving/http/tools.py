@@ -29,8 +29,47 @@ from .errors import APIError
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text: as the model wrote it when it names the function first, else re-encoded
     id: str
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call being written: its function's name and its arguments' text so far (`done` once they close)."""
+
+    name: str
+    arguments: str
+    done: bool
+
+
+_NAME_THEN = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"%s"\s*:\s*'  # a call's opening: name, then KEY
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array that opens at ``text[start]``; None while it is open."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(start, len(text)):
+        character = text[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif character == "\\":
+                escaped = True
+            elif character == '"':
+                in_string = False
+        elif character == '"':
+            in_string = True
+        elif character in "{[":
+            depth += 1
+        elif character in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
 
 
 def tool_function(tool: Any, number: int) -> dict[str, Any]:
@@ -54,7 +93,7 @@ def _call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]
 
 
 class ToolCallParser:
-    """One format of tool calls: the grammar of a call, and reading calls out of text."""
+    """One format of tool calls: the grammar of a call, and reading calls out of text (whole, or as written)."""
 
     arguments_key = "arguments"
 
@@ -71,11 +110,34 @@ class ToolCallParser:
         nothing here; each format says more."""
         return 0
 
-    def _call(self, data: Any) -> ParsedCall | None:
+    def partial(self, text: str) -> list[PartialCall]:
+        """The calls `text`, an answer so far, is writing, as far as each is known to be a call: from where its
+        arguments open (streamed as they come). A call that names its function after its arguments is not
+        among them (it is sent whole once the answer ends)."""
+        raise NotImplementedError
+
+    def _call(self, text: str) -> ParsedCall | None:
+        """The call that the JSON text `text` holds (None when it is no call)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return None
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
+        written = self._partial_call(text.strip())
+        if written is not None and written.done and written.name == data["name"]:
+            return ParsedCall(data["name"], written.arguments, new_call_id())  # as streamed
         arguments = data.get(self.arguments_key, data.get("arguments", data.get("parameters", {})))
-        return ParsedCall(data["name"], json.dumps(arguments), f"call_{uuid.uuid4().hex[:24]}")
+        return ParsedCall(data["name"], json.dumps(arguments), new_call_id())
+
+    def _partial_call(self, body: str) -> PartialCall | None:
+        """The call whose JSON object opens `body`, once its name is written and its arguments have opened."""
+        found = re.match(_NAME_THEN % re.escape(self.arguments_key), body)
+        if found is None or body[found.end() : found.end() + 1] not in ("{", "["):
+            return None
+        start = found.end()
+        end = json_value_end(body, start)
+        return PartialCall(json.loads(found.group(1)), body[start : len(body) if end is None else end], end is not None)
 
 
 class HermesParser(ToolCallParser):
@@ -100,13 +162,19 @@ class HermesParser(ToolCallParser):
         kept = text[:end].rstrip()
         return len(kept) if kept.strip() and not text[:1].isspace() else 0
 
+    def partial(self, text: str) -> list[PartialCall]:
+        calls = []
+        for found in re.finditer(re.escape(self.START), text):
+            call = self._partial_call(text[found.end() :].lstrip())
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         calls = []
         for found in self.PATTERN.finditer(text):
-            try:
-                call = self._call(json.loads(found.group(1)))
-            except json.JSONDecodeError:
-                call = None
+            call = self._call(found.group(1))
             if call is None:
                 return text, []  # a malformed call: the answer stays text, as the model wrote it
             calls.append(call)
@@ -127,20 +195,36 @@ class Llama3JsonParser(ToolCallParser):
         stripped = text.lstrip()
         return len(text) if stripped and not stripped.startswith("{") else 0
 
+    def partial(self, text: str) -> list[PartialCall]:
+        calls, rest = [], text.lstrip()
+        while rest.startswith("{"):
+            call = self._partial_call(rest)
+            end = json_value_end(rest, 0)
+            if call is None:
+                break
+            calls.append(call)
+            rest = rest[end:].lstrip() if end is not None else ""
+            if not rest.startswith(";"):  # Llama 3 separates parallel calls with ";"
+                break
+            rest = rest[1:].lstrip()
+        return calls
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        stripped = text.strip()
-        if not stripped.startswith("{"):
+        calls, rest = [], text.strip()
+        if not rest.startswith("{"):
             return text, []
-        calls = []
-        for part in stripped.split(";"):  # Llama 3 separates parallel calls with ";"
-            try:
-                call = self._call(json.loads(part))
-            except json.JSONDecodeError:
-                call = None
+        while True:
+            end = json_value_end(rest, 0)
+            call = self._call(rest[:end]) if end is not None else None
             if call is None:
                 return text, []
             calls.append(call)
-        return None, calls
+            rest = rest[end:].lstrip()
+            if not rest:
+                return None, calls
+            if not rest.startswith(";"):  # Llama 3 separates parallel calls with ";"
+                return text, []
+            rest = rest[1:].lstrip()
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
@@ -159,6 +243,11 @@ class ToolRequest:
         """The content and the calls of an answer (only its first call unless `parallel`)."""
         content, calls = self.parser.parse(text)
         return content, calls if self.parallel else calls[:1]
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls an answer so far is writing (only its first unless `parallel`)."""
+        calls = self.parser.partial(text)
+        return calls if self.parallel else calls[:1]
 
 
 def tool_request(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
