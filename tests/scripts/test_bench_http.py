@@ -146,6 +146,26 @@ def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
     assert script.request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
 
 
+def test_json_contenders_send_the_schema_the_others_do_not() -> None:
+    """The json workload: seeded chat requests whose schema the -json contenders send as response_format to the
+    same servers; answers are judged by the schema."""
+    script = load_script("bench_http")
+    tokenizer = AutoTokenizer.from_pretrained(DATA / "char_tokenizer")
+    jobs = script.make_json_jobs(tokenizer, count=6, seed=0)
+    assert jobs == script.make_json_jobs(tokenizer, count=6, seed=0) and len({j.text for j in jobs}) == 6
+    assert {j.response_format["json_schema"]["name"] for j in jobs} == {"person", "book", "city"}
+    settings = script.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0)
+    assert settings.command("ours-json", 1) == settings.command("ours", 1)
+    assert settings.command("vllm-json", 1) == settings.command("vllm", 1) and script.is_vllm("vllm-json")
+    held, free = script.request_body("ours-json", jobs[0]), script.request_body("ours", jobs[0])
+    assert held["response_format"]["json_schema"]["strict"] and "response_format" not in free
+    assert {k: v for k, v in held.items() if k != "response_format"} == free
+    person = {"name": "Ka", "age": 40, "city": "Lo", "job": "farmer", "hobbies": ["a", "b", "c"]}
+    assert script.schema_valid(json.dumps(person), jobs[0])
+    assert not script.schema_valid(json.dumps(person | {"age": 200}), jobs[0])
+    assert not script.schema_valid('{"name": "Ka"', jobs[0])
+
+
 def test_prefix_hit_ceiling_counts_each_shared_block_once() -> None:
     script = load_script("bench_http")
     a, b = list(range(40)), list(range(33)) + [99] * 7  # share 2 blocks of 16, then differ

@@ -21,6 +21,14 @@ server's ``usage``, else the streamed chunks that carried text). ``--max-prompt`
 ``--output-scale`` and ``--prefixes`` shape the standard workload only. This is the workload where
 speculative decoding by n-gram prompt lookup (``ours-spec``, ``vllm-spec``) can pay.
 
+``--workload json``: ``--num-requests`` chat requests that ask for a JSON object of a schema given in the
+prompt (`hf_paged_cache.bench.json_workload`: a person, a book or a city, bounded strings, integer ranges,
+enums, fixed-length arrays), greedy, EOS honoured, at most ``JSON_MAX_TOKENS`` tokens. The ``-json``
+contenders (``ours-json``, ``vllm-json``) are ``ours`` and ``vllm`` sent the same requests with
+``response_format: {"type": "json_schema", "json_schema": {..., "strict": true}}``, so each server's grammar
+mask holds the answers to the schema; the others get no ``response_format``. Each round also counts the
+answers that parse and validate against their schema (``jsonschema``).
+
 ``--concurrency`` clients (asyncio + ``httpx``) share the requests in order; each sends its next request as
 soon as its previous stream ends (a closed loop: at most ``--concurrency`` requests in flight). Every request of
 the standard workload is a streamed ``POST /v1/completions``. Contenders (``--contenders``), each timed alone on the CPU:
@@ -178,6 +186,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 from hf_paged_cache.bench.grounded import grounded_workload
+from hf_paged_cache.bench.json_workload import json_workload
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
@@ -187,13 +196,17 @@ from hf_paged_cache.serving.heap import pad_heap
 CONTENDERS = (
     "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
     "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single", "ours-spec", "vllm-spec",
+    "ours-json", "vllm-json",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
 OUR_SERVERS = ("ours", "ours-stock", "ours-bmm", "ours-flex", "ours-spec")
 VLLM_SERVERS = ("vllm", "vllm-spec")
 SPECULATIVE = ("ours-spec", "vllm-spec")  # n-gram prompt lookup: --speculative-tokens drafts a step
 SPECULATIVE_SET = frozenset(SPECULATIVE)
-WORKLOADS = ("standard", "grounded")
+CONSTRAINED = {"ours-json": "ours", "vllm-json": "vllm"}  # these servers, sent each job's response_format
+WORKLOADS = ("standard", "grounded", "json")
+CHAT_WORKLOADS = ("grounded", "json")
+JSON_MAX_TOKENS = 192  # a json job's longest answer
 BATCHERS = {"batcher": "sdpa", "batcher-flex": "flex"}  # the in-process contenders, and how their decode steps attend
 DEFAULT_CONTENDERS = ("ours", "transformers", "batcher")  # vllm: only when asked, CI does not install it
 RAY_CONTENDERS = ("ray-prefix", "ray-pow2", "ray-single")  # --ray's defaults
@@ -219,7 +232,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="model and KV cache dtype of every contender (default: float32)")
     parser.add_argument("--workload", default="standard", choices=WORKLOADS,
-                        help="standard: the ShareGPT-shaped stream to /v1/completions, EOS ignored; grounded: chat "
+                        help="standard: the ShareGPT-shaped stream to /v1/completions, EOS ignored; json: chat "
+                             "requests for a JSON object of a schema (hf_paged_cache.bench.json_workload; the -json "
+                             "contenders send it as response_format); grounded: chat "
                              "requests whose answers repeat their prompt (hf_paged_cache.bench.grounded), EOS "
                              "honoured (default: standard)")
     add_workload_args(parser, num_requests=48)
@@ -271,8 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def base_contender(contender: str) -> str:
-    """The contender that `contender` runs (itself, or the one it preloads a library into)."""
-    return contender.removesuffix(PRELOADED)
+    """The server that `contender` runs (itself, the one it preloads a library into, or the one it sends
+    response_format to)."""
+    name = contender.removesuffix(PRELOADED)
+    return CONSTRAINED.get(name, name)
 
 
 def is_vllm(contender: str) -> bool:
@@ -293,6 +310,7 @@ class Job:
     messages: tuple[dict[str, str], ...] | None = None  # a chat request's messages (None: a completion's prompt)
     ignore_eos: bool = True  # False: the answer may end before max_tokens, at the model's EOS
     expected: str | None = None  # grounded: a reference answer (what copying the prompt would give), if any
+    response_format: dict[str, Any] | None = None  # json: what the -json contenders hold the answer to
 
 
 def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, *,
@@ -327,6 +345,29 @@ def make_grounded_jobs(tokenizer: PreTrainedTokenizerBase, *, count: int, seed: 
         jobs.append(Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_tokens,
                         messages=request.messages, ignore_eos=False, expected=request.expected))
     return jobs
+
+
+def make_json_jobs(tokenizer: PreTrainedTokenizerBase, *, count: int, seed: int,
+                   max_new: int = JSON_MAX_TOKENS) -> list[Job]:
+    """`count` chat requests of `hf_paged_cache.bench.json_workload`, EOS honoured, at most `max_new` tokens."""
+    jobs = []
+    for request in json_workload(count, seed=seed):
+        messages = [dict(m) for m in request.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        jobs.append(Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_new,
+                        messages=request.messages, ignore_eos=False, response_format=request.response_format))
+    return jobs
+
+
+def schema_valid(text: str, job: Job) -> bool:
+    """Whether `text` is one JSON value that validates against `job`'s schema."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), job.response_format["json_schema"]["schema"])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def grounded_workload_summary(count: int, seed: int) -> dict[str, Any]:
@@ -393,6 +434,8 @@ def request_body(contender: str, job: Job) -> dict[str, Any]:
     at most that (`job.ignore_eos` False); a `/v1/chat/completions` body when `job` has messages."""
     body: dict[str, Any] = {"max_tokens": job.max_tokens, "temperature": 0, "stream": True}
     body |= {"prompt": job.text} if job.messages is None else {"messages": [dict(m) for m in job.messages]}
+    if contender in CONSTRAINED and job.response_format is not None:
+        body["response_format"] = job.response_format
     if base_contender(contender) in (*OUR_SERVERS, *VLLM_SERVERS, *RAY_CONTENDERS):
         return body | ({"ignore_eos": True} if job.ignore_eos else {}) | {"stream_options": {"include_usage": True}}
     # transformers serve answers 422 to fields it does not know (ignore_eos) and sends usage unasked; with
@@ -812,6 +855,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.workload == "grounded":  # the warm-up: other passages (another seed), short answers
         jobs = make_grounded_jobs(tokenizer, count=args.num_requests, seed=args.seed)
         warmup = make_grounded_jobs(tokenizer, count=args.concurrency, seed=args.seed + 1, max_new=WARMUP_MAX_TOKENS)
+    elif args.workload == "json":  # the warm-up: other subjects, short answers (each schema compiled once)
+        jobs = make_json_jobs(tokenizer, count=args.num_requests, seed=args.seed)
+        warmup = make_json_jobs(tokenizer, count=args.concurrency, seed=args.seed + 1, max_new=WARMUP_MAX_TOKENS)
     else:
         jobs = make_jobs(model, tokenizer, args, count=args.num_requests, seed=args.seed, max_new=args.max_new)
         warmup = make_jobs(model, tokenizer, args, count=args.concurrency, seed=args.seed + 1,
@@ -840,14 +886,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs[name].append(run_server_round(name, settings, jobs, warmup, args.concurrency, Path(log_dir)))
 
     n = len(jobs)
-    grounded = args.workload == "grounded"
+    grounded, chat = args.workload == "grounded", args.workload in CHAT_WORKLOADS
     results: dict[str, Any] = {
         "benchmark": "http", "model": model_path, "dtype": str(model.dtype), "threads": args.threads,
         "workload": args.workload,
-        "endpoint": "/v1/chat/completions (streamed)" if grounded else "/v1/completions (streamed)",
-        "prompts": ("chat messages (hf_paged_cache.bench.grounded), through each server's chat template" if grounded
+        "endpoint": "/v1/chat/completions (streamed)" if chat else "/v1/completions (streamed)",
+        "prompts": (f"chat messages (hf_paged_cache.bench.{'grounded' if grounded else 'json_workload'}), through "
+                    "each server's chat template" if chat
                     else "text: the workload's token ids decoded, tokenized again by each server"),
-        "eos": "honoured: output_tokens and max_tokens are caps; each round counts what was generated" if grounded
+        "eos": "honoured: output_tokens and max_tokens are caps; each round counts what was generated" if chat
         else "ignored: every answer has its max_tokens",
         "num_requests": n, "concurrency": args.concurrency,
         "prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "output_tokens": sum(j.max_tokens for j in jobs),
@@ -861,6 +908,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "commands": {c: settings.command_line(c) for c in contenders if c not in BATCHERS},
         "contenders": {name: summarise(rounds, jobs) for name, rounds in runs.items()},
     }
+    if args.workload == "json":
+        for name, rounds in runs.items():
+            results["contenders"][name]["schema_valid"] = [
+                sum(schema_valid(stream.text, job) for stream, job in zip(r.streams, jobs)) for r in rounds]
     results["identical_texts"] = {
         f"{a}/{b}": sum(x == y for x, y in zip(results["contenders"][a]["texts"], results["contenders"][b]["texts"]))
         for a, b in itertools.combinations(contenders, 2)
@@ -882,7 +933,7 @@ def per_round_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def print_report(results: dict[str, Any]) -> None:
     n = results["num_requests"]
-    grounded = results.get("workload") == "grounded"
+    grounded, chat = results.get("workload") == "grounded", results.get("workload") in CHAT_WORKLOADS
     rows = []
     for name, r in results["contenders"].items():
         row = {
@@ -894,7 +945,9 @@ def print_report(results: dict[str, Any]) -> None:
             "request p50 / p95 s": ("" if r.get("request_p50_s") is None
                                     else f"{r['request_p50_s']:.2f} / {r['request_p95_s']:.2f}"),
         }
-        if grounded:
+        if "schema_valid" in r:
+            row |= {"output tokens": r["output_tokens"], "schema-valid": f"{min(r['schema_valid'])}/{n}"}
+        elif grounded:
             first = r["rounds"][0]
             row |= {"output tokens": r["output_tokens"],
                     "ended by EOS": f"{first['finish_reasons'].get('stop', 0)}/{n}",
@@ -905,8 +958,8 @@ def print_report(results: dict[str, Any]) -> None:
         row |= {"drafts accepted": "" if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
                 "same text every round": f"{r['texts_same_every_round']}/{n}"}
         rows.append(row)
-    if grounded:
-        print(f"{n} grounded chat requests ({results['prompt_tokens']} prompt tokens, answers ended by EOS or at "
+    if chat:
+        print(f"{n} {results['workload']} chat requests ({results['prompt_tokens']} prompt tokens, answers ended by EOS or at "
               f"their caps, {results['output_tokens']} tokens in all), {results['concurrency']} clients, KV budget "
               f"{mib(results['budget_bytes']):.1f} MiB, {results['threads']} threads")
     else:
