@@ -327,6 +327,11 @@ def test_bench_kernels_fields(tiny_dir: str, results_dir: Path) -> None:
                 assert 0 < low <= timing[f"{variant}_ms"] <= high
             assert timing["speedup"] > 0
         assert 0 <= row["max_abs_logit_diff"] < 1e-4 and row["greedy_tokens_agree"] is True
+        assert row["decode"]["packed_over_floor"] == row["decode"]["packed_ms"] / result["floor"]["read_ms"]
+    floor = result["floor"]
+    assert floor["weight_bytes"] == 4 * sum(p.numel() for p in tiny_model("llama").parameters())  # float32
+    assert 0 < floor["read_ms_range"][0] <= floor["read_ms"] <= floor["read_ms_range"][1]
+    assert floor["read_gb_s"] == pytest.approx(floor["weight_bytes"] / floor["read_ms"] / 1e6)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prompt"])

@@ -9,7 +9,13 @@ Two copies of the same model in one process, ``stock`` (PyTorch's ``F.linear``: 
 
 Each measurement is taken ``--repeats`` times, alternating stock and packed (S, P, S, P, ...) after one
 warm-up call of each; medians and ranges are reported, and the per-pair ratio ``stock / packed`` (its median
-over pairs). The logits of both copies on the same decode step are compared: their largest absolute
+over pairs).
+
+**The memory floor.** A decode step reads every weight at least once, so no step can be faster than reading
+them at the machine's read bandwidth. The script copies the model's parameters (each tied one once: SmolLM2's
+output head is its embedding) into one buffer and sums it ``--repeats`` times after one untimed pass, at the
+same threads: that time is the floor (and bytes / time the read bandwidth); each decode step is also
+reported as a multiple of it. The logits of both copies on the same decode step are compared: their largest absolute
 difference and whether every row's greedy token agrees.
 
 Command (the numbers in docs/benchmarks.md)::
@@ -58,6 +64,21 @@ def timed_pairs(stock: Callable[[], Any], packed: Callable[[], Any], repeats: in
     }
 
 
+def weight_read(model: PreTrainedModel, repeats: int) -> dict[str, Any]:
+    """Milliseconds to read every weight of `model` once: its parameters copied into one buffer, summed."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # [n], the model's dtype
+    flat.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flat.sum()
+        times.append((time.perf_counter() - start) * 1e3)
+    read_ms = statistics.median(times)
+    size = flat.numel() * flat.element_size()
+    return {"weight_bytes": size, "read_ms": read_ms, "read_ms_range": [min(times), max(times)],
+            "read_gb_s": size / read_ms / 1e6}
+
+
 def decode_step(model: PreTrainedModel, prompt: torch.Tensor, new: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A decode step on a cache of `prompt` (filled once); each call adds `new`'s K/V and crops them off again."""
     cache = DynamicCache(config=model.config)
@@ -79,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     packed_count = pack_linears(packed_model)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = stock_model.config.vocab_size
+    floor = weight_read(stock_model, args.repeats)
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         prompt = torch.randint(vocab, (batch_size, args.context), generator=generator, device=args.device)
@@ -97,7 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })
     results = {"benchmark": "kernels", "model": args.model, "dtype": str(stock_model.dtype),
                "threads": torch.get_num_threads(), "context": args.context, "repeats": args.repeats,
-               "packed_linears": packed_count, "rows": rows}
+               "packed_linears": packed_count, "floor": floor, "rows": rows}
+    for row in rows:
+        row["decode"] |= {f"{name}_over_floor": row["decode"][f"{name}_ms"] / floor["read_ms"]
+                          for name in ("stock", "packed")}
     write_json(args.out, results, args.device)
     print(format_table([{
         "rows": r["batch_size"],
@@ -107,8 +132,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lm_head speedup": f"{r['head']['speedup']:.2f}x",
         "max logit diff": f"{r['max_abs_logit_diff']:.1e}",
         "greedy agrees": r["greedy_tokens_agree"],
+        "step / floor, stock / packed": "{:.2f} / {:.2f}".format(r["decode"]["stock_over_floor"],
+                                                                r["decode"]["packed_over_floor"]),
     } for r in rows], ["rows", "decode step stock / packed ms", "decode speedup", "lm_head stock / packed ms",
-                       "lm_head speedup", "max logit diff", "greedy agrees"]))
+                       "lm_head speedup", "max logit diff", "greedy agrees", "step / floor, stock / packed"]))
+    print(f"floor: every weight read once ({floor['weight_bytes'] / 1e6:.0f} MB) in {floor['read_ms']:.1f} ms "
+          f"({floor['read_ms_range'][0]:.1f}-{floor['read_ms_range'][1]:.1f}), {floor['read_gb_s']:.1f} GB/s")
     return results
 
 
