@@ -21,6 +21,9 @@ each row keeps the drafts the model agrees with and one token of its own after t
 rest (`PagedCache.commit` with ``keep``). A speculative step that fails in any way (a forward, a pick, no
 blocks for the drafts) is dropped whole and the step runs again without drafts, isolated as above.
 
+Rows held to a grammar have their masks filled while the forward runs (`MaskPrefetch`): a mask depends only on
+the tokens a row has before the step.
+
 Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
 fails alone and the others keep their tokens. The decode rows of plain greedy requests (`Request.greedy`) take
 the first maximum of their logits in one reduction for all of them; a row whose maximum is not finite goes
@@ -41,6 +44,8 @@ from ..attention import PAGED_ATTENTION_NAMES
 from ..cache.packed_caches import PackingUnsupported, Segment
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
+from ..structured.mask_prefetch import MaskPrefetch
+from ..structured.processor import GrammarLogitsProcessor
 from .packed import packed_forward
 from .logprobs import token_logprobs
 from .request import Choice, Request
@@ -61,6 +66,7 @@ class StepExecutor:
         self.speculator = speculator  # drafts for decode steps (None: no speculative decoding)
         self.packed_steps = 0  # steps run as one packed forward so far
         self.times = StepTimes()  # replaced whole after each step: any thread may read it
+        self._masks: MaskPrefetch | None = None  # made for the first step with a constrained row
 
     def run(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
@@ -69,6 +75,7 @@ class StepExecutor:
         # drafts ride on the decode rows of a step that runs as one forward (prompt chunks packed with them)
         speculates = self.speculator is not None and bool(plan.running) and (not plan.chunks or self.pack_steps)
         drafts = None
+        self._prefetch_masks(plan)
         try:
             drafts = self.speculator.drafts(plan.running, prompt_tokens) if speculates else None
             result = self._run_speculative(plan, drafts) if drafts is not None else None
@@ -87,6 +94,17 @@ class StepExecutor:
         """Nothing runs (the loop waits, or ends): give back what the steps held for requests (draft caches)."""
         if self.speculator is not None:
             self.speculator.release()
+        if self._masks is not None:
+            self._masks.wait()
+
+    def _prefetch_masks(self, plan: StepPlan) -> None:
+        """Start filling the grammar masks of the step's rows that will pick a token (`MaskPrefetch`)."""
+        choosing = [*plan.running, *(m for chunk in plan.chunks if chunk.finishes for m in chunk.request.group)]
+        rows = [(processor, request.generated) for request in choosing for processor in request.processors
+                if isinstance(processor, GrammarLogitsProcessor)]
+        if rows:
+            self._masks = self._masks or MaskPrefetch()
+            self._masks.start(rows)
 
     def _run(self, plan: StepPlan) -> StepResult:
         if self.pack_steps and plan.chunks and (plan.running or len(plan.chunks) > 1):

@@ -17,11 +17,17 @@ unpacked by numpy index a two-entry table of biases (-inf, 0) added to the score
 
 The mask must come before sampling's filters (top-k, top-p, min-p), or they may leave nothing the grammar
 allows: the batcher's requests put every processor with ``runs_first`` ahead of them.
+
+The batcher fills the masks its step will ask for ahead of time, while the forward runs (`MaskPrefetch`,
+`hf_paged_cache.structured.mask_prefetch`): `prefetched` stores one, which the call for the same tokens takes
+instead of filling it again. A processor's lock (`lock`) makes that safe: whoever holds it owns its matchers.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import llguidance
@@ -78,6 +84,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self._matchers: list[_Matcher] = []
         self._calls = 0
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # [1, W / 32]
+        self._prefetched: OrderedDict[tuple[int, ...], numpy.ndarray] = OrderedDict()  # tokens -> bitmask row
+        self.lock = threading.Lock()  # held by whoever uses the matchers: a call, or a prefetch in flight
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """`scores` ``[B, V]`` with the tokens each row's grammar bans at -inf, as a new tensor (the caller's
@@ -87,20 +95,36 @@ class GrammarLogitsProcessor(LogitsProcessor):
             self.prompt_length = input_ids.shape[1]
         width = self.grammar.tokenizer.vocab_size
         bias = torch.full_like(scores, -torch.inf)  # [B, V]: ids past the tokenizer are never text
-        for row, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
-            matcher = self.matcher_for(ids)
-            if matcher is None:
-                continue  # its tokens left the grammar: nothing can follow (the caller fails it)
-            llguidance.numpy.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
-            bits = numpy.unpackbits(self._bitmask[0].view(numpy.uint8), bitorder="little")[:width]
-            allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.int32)  # [width]: 1 allowed
-            bias[row, :width] = _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
+        with self.lock:
+            for row, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
+                words = self._prefetched.pop(tuple(ids), None)  # [W / 32], filled while the forward ran
+                if words is None:
+                    matcher = self._matcher_for(ids)
+                    if matcher is None:
+                        continue  # its tokens left the grammar: nothing can follow (the caller fails it)
+                    llguidance.numpy.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
+                    words = self._bitmask[0]
+                bits = numpy.unpackbits(words.view(numpy.uint8), bitorder="little")[:width]
+                allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.int32)  # [width]: 1 allowed
+                bias[row, :width] = _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
         if self.on_mask is not None:
             self.on_mask(time.perf_counter() - start)
         return scores + bias
 
+    def prefetched(self, tokens: Sequence[int], words: numpy.ndarray) -> None:
+        """Keep `words` ``[W / 32]``, the mask after the generated `tokens`, for the call that asks for it (the
+        caller holds `lock`). At most `MAX_MATCHERS` are kept: a step dropped leaves its masks unused."""
+        self._prefetched[tuple(tokens)] = words
+        while len(self._prefetched) > MAX_MATCHERS:
+            self._prefetched.popitem(last=False)
+
     def matcher_for(self, tokens: Sequence[int]) -> _Matcher | None:
         """A matcher that has consumed exactly `tokens` (None when they leave the grammar)."""
+        with self.lock:
+            return self._matcher_for(tokens)
+
+    def _matcher_for(self, tokens: Sequence[int]) -> _Matcher | None:
+        """`matcher_for`, for a caller that holds `lock`."""
         tokens = list(tokens)
         self._calls += 1
         matcher = self._nearest(tokens)
@@ -118,8 +142,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
     def finished(self, tokens: Sequence[int]) -> bool:
         """Whether the grammar is complete after `tokens` and nothing may follow them."""
-        matcher = self.matcher_for(tokens)
-        return matcher is not None and matcher.engine.is_stopped()
+        with self.lock:
+            matcher = self._matcher_for(tokens)
+            return matcher is not None and matcher.engine.is_stopped()
 
     def _nearest(self, tokens: list[int]) -> _Matcher | None:
         """The kept matcher that reaches `tokens` with the least work: one that consumed a prefix of them (the

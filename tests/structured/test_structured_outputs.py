@@ -163,6 +163,62 @@ def test_many_rows_share_a_processor_within_its_matcher_bound(grammars, tokenize
     assert int((masks[0] > -torch.inf).sum()) == 26
 
 
+def test_prefetched_masks_are_the_masks_the_call_fills(grammars, tokenizer):
+    """`MaskPrefetch` fills masks on its thread (several rows of three processors at once); each call then takes
+    the one stored for its tokens, equal to what a fresh processor fills, and a mask for other tokens is
+    filled as before."""
+    from hf_paged_cache.structured.mask_prefetch import MaskPrefetch
+
+    grammar = grammars.compile(GrammarSpec.json_schema(SCHEMA))
+    answer = tokenizer.encode('{"id":12,"kind":"b","items":[true,false]}', add_special_tokens=False)
+    held, other, third = (grammar_constraint(grammar, prompt_length=0)[0] for _ in range(3))
+    prefetch = MaskPrefetch()
+    try:
+        for end in range(0, len(answer) - 2, 3):
+            # two rows of one processor (choices of one prompt: filled one by one), two of one row each (together)
+            rows = [(held, answer[:end]), (held, answer[: end + 1]), (other, answer[:end]), (third, answer[: end + 2])]
+            prefetch.start(rows)
+            prefetch.wait()
+            assert set(held._prefetched) == {tuple(answer[:end]), tuple(answer[: end + 1])}
+            for processor, tokens in rows:
+                masked = processor(torch.tensor([tokens]), torch.zeros(1, 96))
+                fresh = grammar_constraint(grammar, prompt_length=0)[0](torch.tensor([tokens]), torch.zeros(1, 96))
+                torch.testing.assert_close(masked, fresh)
+            assert not held._prefetched and not other._prefetched and not third._prefetched  # all taken
+        prefetch.start([(held, answer[:2])])
+        elsewhere = answer[:5]  # a call for other tokens fills its own, after the prefetch let go of the lock
+        torch.testing.assert_close(held(torch.tensor([elsewhere]), torch.zeros(1, 96)),
+                                   other(torch.tensor([elsewhere]), torch.zeros(1, 96)))
+        assert list(held._prefetched) == [tuple(answer[:2])]
+    finally:
+        prefetch.close()
+
+
+def test_the_batcher_fills_masks_while_the_forward_runs(model, tokenizer, grammars, monkeypatch):
+    """Constrained requests in the batcher take masks the step prefetched, and answer as they do alone."""
+    from hf_paged_cache.structured.processor import GrammarLogitsProcessor
+
+    stored = []
+    prefetched = GrammarLogitsProcessor.prefetched
+    monkeypatch.setattr(GrammarLogitsProcessor, "prefetched",
+                        lambda self, tokens, words: (stored.append(tuple(tokens)), prefetched(self, tokens, words)))
+    grammar = grammars.compile(GrammarSpec.json_schema(SCHEMA))
+
+    def answer(batcher, number):
+        prompt = tokenizer.encode(f"ask {number}:")
+        processor, stop = grammar_constraint(grammar, prompt_length=len(prompt))
+        return batcher.submit(prompt, max_new_tokens=60, do_sample=True, seed=number,
+                              logits_processor=[processor], stopping_criteria=[stop])
+
+    with ContinuousBatcher(model, num_blocks=64, tokenizer=tokenizer) as batcher:
+        together = [handle.result(timeout=60) for handle in [answer(batcher, number) for number in range(4)]]
+        assert len(stored) > 20  # nearly every token choice
+        alone = [answer(batcher, number).result(timeout=60) for number in range(4)]
+    assert together == alone
+    for tokens in together:
+        jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), SCHEMA)
+
+
 def test_importing_the_server_compiles_nothing():
     """``llguidance.torch`` runs ``torch.compile`` at import, loading inductor into every server (and failing
     where inductor cannot load); the structured room must reach llguidance only through its numpy helpers."""
