@@ -24,18 +24,13 @@ blocks for the drafts) is dropped whole and the step runs again without drafts, 
 Rows held to a grammar have their masks filled while the forward runs (`MaskPrefetch`): a mask depends only on
 the tokens a row has before the step.
 
-Token choice is per request (`Request.pick`), tried twice as well; a request whose choice fails twice
-fails alone and the others keep their tokens. The decode rows of plain greedy requests (`Request.greedy`) take
-the first maximum of their logits in one reduction for all of them; a row whose maximum is not finite goes
-through `Request.pick`, which fails it alone with the reason.
+Token choice is per request, tried twice as well (`serving.token_choice`); a request whose choice fails
+twice fails alone and the others keep their tokens.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -51,9 +46,7 @@ from .logprobs import token_logprobs
 from .request import Choice, Request
 from .speculation import Drafts, Speculator
 from .steps import Chunk, StepPlan, StepResult, StepTimes
-
-T = TypeVar("T")
-ATTEMPTS = 2  # tries of each forward and token choice before a failure is taken to be the request's own
+from .token_choice import attempts, choose, choose_rows, verify_rows
 
 
 class StepExecutor:
@@ -150,9 +143,9 @@ class StepExecutor:
         kept: list[list[Choice]] = []
         try:
             if drafts is None:
-                self._choose_rows(running, logits[: len(running)], result)
+                choose_rows(running, logits[: len(running)], result)
             elif running:
-                kept = self._verify_rows(running, logits[: len(running) * q].unflatten(0, (len(running), q)), drafts)
+                kept = verify_rows(running, logits[: len(running) * q].unflatten(0, (len(running), q)), drafts)
             for chunk, rows in zip(plan.chunks, chunk_rows):
                 self._chunk_done(chunk, logits[rows], result)
         except BaseException:
@@ -172,7 +165,7 @@ class StepExecutor:
     def _run_chunk(self, chunk: Chunk, result: StepResult) -> bool:
         """One prompt chunk in a forward of its own; False when the pool had no blocks for it."""
         try:
-            logits = _attempts(lambda: self._chunk_forward(chunk))
+            logits = attempts(lambda: self._chunk_forward(chunk))
         except PoolExhaustedError as error:
             result.exhausted[chunk.request] = error
             return False
@@ -197,7 +190,7 @@ class StepExecutor:
             result.prompt_logprobs[request] = (first, computed)
         if chunk.finishes:
             for member in request.group:  # the choices of one prompt pick from the same logits
-                self._choose(member, logits[-1], result)
+                choose(member, logits[-1], result)
         else:
             result.kept.add(request)
 
@@ -214,14 +207,14 @@ class StepExecutor:
             return
         if logits is None:
             return  # some rows fail alone: the others did not run, and run at the next step without them
-        self._choose_rows(requests, logits, result)
+        choose_rows(requests, logits, result)
         cache.commit()
 
     def _decode_isolating(self, cache: PagedCache, requests: list[Request], result: StepResult) -> torch.Tensor | None:
         """The decode forward's logits ``[B, V]``, tried twice; then None with the rows that fail alone in
         `result`, or, when none does, the logits of one last try together (whose failure propagates)."""
         try:
-            return _attempts(lambda: self._decode_forward(cache, requests))
+            return attempts(lambda: self._decode_forward(cache, requests))
         except PoolExhaustedError:
             raise
         except Exception:  # noqa: BLE001 (failed twice: find the rows that fail alone)
@@ -238,7 +231,7 @@ class StepExecutor:
             probe = cache.fork()  # shares every block; its writes copy the block they go to first
             try:
                 probe.batch_select_indices(torch.tensor([row]))
-                _attempts(lambda: self._forward_and_drop(probe, request))  # a transient fault convicts nobody
+                attempts(lambda: self._forward_and_drop(probe, request))  # a transient fault convicts nobody
             except PoolExhaustedError:
                 pass  # no room to try it alone: no evidence against it
             except Exception as error:  # noqa: BLE001 (what it fails with alone)
@@ -265,7 +258,7 @@ class StepExecutor:
         except Exception:  # noqa: BLE001 (rolled back by the cache: the plain step isolates the cause)
             return None
         try:
-            kept = self._verify_rows(requests, logits, drafts)
+            kept = verify_rows(requests, logits, drafts)
         except Exception:  # noqa: BLE001 (a pick failed: the plain step fails that request alone)
             cache.settle()
             return None
@@ -284,26 +277,7 @@ class StepExecutor:
             result.accepted[request], result.choices[request] = choices[:-1], choices[-1]
         return result
 
-    def _verify_rows(self, requests: list[Request], logits: torch.Tensor, drafts: Drafts) -> list[list[Choice]]:
-        """Each row's kept tokens from its `logits` ``[1 + k, V]``: the drafts the model picks too, then its own
-        token where it first differs (or after the last draft), ending early at a token that stops the row."""
-        rows = []
-        best, firsts = (values.tolist() for values in logits.max(dim=-1))  # [B][1 + k]: plain greedy rows' picks
-        for row, request in enumerate(requests):
-            kept: list[Choice] = []
-            for position, draft in enumerate([*drafts.tokens[row], None]):
-                if request.greedy is not None and math.isfinite(best[row][position]):
-                    choice = request.greedy_choice(firsts[row][position], position)
-                else:
-                    after = [c.token for c in kept]
-                    choice = _attempts(lambda: request.pick(logits[row, position], after, draft))
-                kept.append(choice)
-                if choice.finished or choice.token != draft:
-                    break
-            rows.append(kept)
-        return rows
-
-    # ------------------------------------------------------------------ forwards and picks
+    # ------------------------------------------------------------------ forwards
 
     def _forward_and_drop(self, probe: PagedCache, request: Request) -> None:
         """`request`'s decode row alone on `probe` (a one-row fork), its step dropped whatever happens."""
@@ -347,46 +321,9 @@ class StepExecutor:
         mask = torch.cat([real, torch.ones_like(input_ids, dtype=torch.bool)], dim=1).long()  # [B, L + q]
         return input_ids, positions, mask
 
-    def _choose_rows(self, requests: list[Request], logits: torch.Tensor, result: StepResult) -> None:
-        """Each request's next token from its row of `logits` ``[B, V]`` into `result`: the plain greedy rows'
-        by one reduction for all (their first maximum, as ``argmax`` takes it), the others one by one (`_choose`)."""
-        picked: dict[int, int] = {}  # row -> its token, for plain greedy rows whose maximum is finite
-        plain = [row for row, request in enumerate(requests) if request.greedy is not None]
-        if plain:
-            rows = logits if len(plain) == len(requests) else logits[plain]  # [n, V]
-            best, tokens = rows.max(dim=-1)  # [n] each: the first maximum's value and index
-            found = zip(plain, best.tolist(), tokens.tolist())
-            picked = {row: token for row, value, token in found if math.isfinite(value)}
-        for row, request in enumerate(requests):
-            if row in picked:
-                result.choices[request] = request.greedy_choice(picked[row])
-            else:
-                self._choose(request, logits[row], result)
-
-    def _choose(self, request: Request, logits: torch.Tensor, result: StepResult) -> None:
-        """`request`'s next token from `logits` ``[V]`` into `result`, or its failure (after `ATTEMPTS` tries)."""
-        try:
-            result.choices[request] = _attempts(lambda: request.pick(logits))
-        except Exception as error:  # noqa: BLE001 (its own settings or processors: it fails alone)
-            result.failures[request] = error
-
-
 def _logit_offsets(chunk: Chunk) -> list[int]:
     """Positions of `chunk` (from 0) whose logits its step needs: all of them for the prompt's log-probabilities,
     else the last one when the chunk finishes the prompt, else none."""
     if chunk.request.needs_prompt_logprobs:
         return list(range(len(chunk.tokens)))
     return [len(chunk.tokens) - 1] if chunk.finishes else []
-
-
-def _attempts(run: Callable[[], T]) -> T:
-    """`run()`, tried up to `ATTEMPTS` times; the last failure propagates. `PoolExhaustedError` is not retried
-    (the pool is as full the second time)."""
-    for _ in range(ATTEMPTS - 1):
-        try:
-            return run()
-        except PoolExhaustedError:
-            raise
-        except Exception:  # noqa: BLE001 (tried again)
-            pass
-    return run()

@@ -7,9 +7,9 @@ from tiny_models import VOCAB, tiny_model
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TopKLogitsWarper
 
 from hf_paged_cache import ContinuousBatcher
-from hf_paged_cache.serving.executor import StepExecutor
 from hf_paged_cache.serving.request import Request
 from hf_paged_cache.serving.steps import StepResult
+from hf_paged_cache.serving.token_choice import choose_rows
 
 
 class NeverStop(StoppingCriteria):
@@ -64,7 +64,7 @@ def test_one_reduction_chooses_what_pick_chooses(model):
         request(model, repetition_penalty=1.3),
     ]
     result = StepResult()
-    StepExecutor(model)._choose_rows(rows, logits, result)
+    choose_rows(rows, logits, result)
     for row, req in enumerate(rows):
         try:
             expected = req.pick(logits[row])
