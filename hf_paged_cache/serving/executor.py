@@ -244,7 +244,19 @@ class StepExecutor:
 
     def _run_speculative(self, plan: StepPlan, drafts: Drafts) -> StepResult | None:
         """The decode rows with their `drafts` verified in one forward (with the step's prompt chunks, packed),
-        or None (every cache as it was) when anything fails: the step then runs without drafts."""
+        or None (every cache and every sampling generator as it was) when anything fails: the step then runs
+        without drafts, and draws what it would have drawn."""
+        choosing = [*plan.running, *(member for chunk in plan.chunks for member in chunk.request.group)]
+        sampling = [request for request in choosing if request.config.do_sample]
+        states = [request.generator.get_state() for request in sampling]
+        result = self._try_speculative(plan, drafts)
+        if result is None:
+            for request, state in zip(sampling, states):
+                request.generator.set_state(state)
+        return result
+
+    def _try_speculative(self, plan: StepPlan, drafts: Drafts) -> StepResult | None:
+        """`_run_speculative`, but for the generators."""
         cache, requests = plan.running_cache, plan.running
         if plan.chunks:
             result = StepResult()

@@ -288,13 +288,14 @@ class Request:
         """Prompt and generated tokens: what its cache must hold to compute the next token."""
         return self.prompt + self.generated
 
-    def pick(self, logits: torch.Tensor, after: Sequence[int] = (), draft: int | None = None) -> Choice:
+    def pick(self, logits: torch.Tensor, after: Sequence[int] = ()) -> Choice:
         """Pick the next token from the last position's `logits` ``[V]``, and whether the request stops there.
 
         `after`: tokens that come after the request's own before this position (drafts a speculative step
-        kept). With a `draft` token (speculative decoding), a greedy request picks as ever (the draft is kept
-        when it is that token); a sampled one keeps the draft with its probability ``p(draft)``, else draws
-        from ``p`` without it, renormalised: the token is distributed as ``p`` either way.
+        kept). A speculative step verifies a draft by picking as ever and keeping the draft when the pick is
+        that token: a sampled request draws each token with the same one call of its generator whether it
+        verifies a draft or not, so a seed gives the same tokens with speculation and without (and the draft is
+        kept with probability ``p(draft)``, as speculative sampling's rule would keep it).
 
         Changes nothing but the request's generator (sampling), which it puts back when it raises: a retry
         draws the same token. Raises `ValueError` when the processed scores have no finite maximum (NaN, or
@@ -311,7 +312,7 @@ class Request:
                     f"check temperature={self.config.temperature}, bad_words_ids and suppress_tokens"
                 )
             if self.config.do_sample:
-                token = self._sample(torch.softmax(scores, dim=-1)[0], draft)
+                token = int(torch.multinomial(torch.softmax(scores, dim=-1)[0], 1, generator=self.generator))
             else:
                 token = int(scores.argmax(dim=-1))
             full = torch.tensor([[*tokens, token]], device=logits.device)  # [1, n + 1]
@@ -321,20 +322,6 @@ class Request:
             if state is not None:
                 self.generator.set_state(state)
             raise
-
-    def _sample(self, probabilities: torch.Tensor, draft: int | None) -> int:
-        """A token drawn from `probabilities` ``[V]`` with the request's generator; given a `draft`, the draft
-        with its probability, else a draw from the others (speculative sampling's rule for a draft that is a
-        function of the tokens so far, as an n-gram lookup's is)."""
-        if draft is not None:
-            keep = float(probabilities[draft])
-            if float(torch.rand((), generator=self.generator, device=probabilities.device)) < keep:
-                return draft
-            probabilities = probabilities.clone()
-            probabilities[draft] = 0.0
-            if not float(probabilities.sum()) > 0.0:
-                return draft  # p(draft) is 1 up to rounding: nothing else can be drawn
-        return int(torch.multinomial(probabilities, 1, generator=self.generator))
 
     def greedy_choice(self, token: int, after: int = 0) -> Choice:
         """What `pick` returns for a plain greedy request (`greedy` set) whose logits' first maximum, finite, is

@@ -65,9 +65,10 @@ def choose(request: Request, logits: torch.Tensor, result: StepResult) -> None:
 
 
 def verify_rows(requests: list[Request], logits: torch.Tensor, drafts: Drafts) -> list[list[Choice]]:
-    """Each row's kept tokens from its `logits` ``[B, 1 + k, V]``: the drafts the model picks too, then its own
-    token where it first differs (or after the last draft), ending early at a token that stops the row. A pick
-    that fails twice propagates (the step is then dropped and run without drafts)."""
+    """Each row's kept tokens from its `logits` ``[B, 1 + k, V]``: the drafts the request picks too (greedy or
+    sampled, each position picked as it would be without drafts), then its own token where it first differs
+    (or after the last draft), ending early at a token that stops the row. A pick that fails twice propagates
+    (the step is then dropped and run without drafts)."""
     rows = []
     best, firsts = (values.tolist() for values in logits.max(dim=-1))  # [B][1 + k]: plain greedy rows' picks
     for row, request in enumerate(requests):
@@ -77,7 +78,7 @@ def verify_rows(requests: list[Request], logits: torch.Tensor, drafts: Drafts) -
                 choice = request.greedy_choice(firsts[row][position], position)
             else:
                 after = [c.token for c in kept]
-                choice = attempts(lambda: request.pick(logits[row, position], after, draft))
+                choice = attempts(lambda: request.pick(logits[row, position], after))
             kept.append(choice)
             if choice.finished or choice.token != draft:
                 break

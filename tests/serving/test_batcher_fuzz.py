@@ -23,8 +23,8 @@ failed with its own fault; a cancelled one streamed a prefix of its reference; t
 
 Each case runs twice: as drawn, and with speculative decoding on at every decode step
 (`Speculator(adaptive=False)`: drafts from the requests' own tokens for even seeds, from a draft model, a
-twin of the model, for odd ones), its sampled requests then greedy (speculation keeps a sampled request's
-distribution, not the draws of ``generate``).
+twin of the model, for odd ones), against the same references: a sampled request draws its tokens as it
+would without drafts.
 
 Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
 a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
@@ -245,8 +245,6 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
         # odd seeds draft with a twin of the model (no faults injected into it), even ones by n-gram lookup
         source = DraftModel(fuzz_model(model_type), block_size=4) if seed % 2 else None
         batcher_kwargs["speculative"] = Speculator(3, adaptive=False, source=source)
-        for spec in specs:
-            spec.settings = {k: v for k, v in spec.settings.items() if k not in ("do_sample", "seed", "temperature", "top_k")}
     bad = references(model, specs)
     for spec in specs:
         if spec.kind == "poison_prompt":
