@@ -19,6 +19,7 @@ others (its followers) pick their first tokens from the same logits and share it
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import time
@@ -240,6 +241,9 @@ class Request:
         # a processor that bans tokens outright (a grammar's mask) goes before sampling's filters, which could
         # otherwise keep only tokens it bans
         self.processors.sort(key=lambda processor: not getattr(processor, "runs_first", False))
+        # LogitsProcessorList reads each processor's signature at every call (tens of microseconds a token):
+        # processors that take (input_ids, scores) alone are called directly
+        self._direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in self.processors)
         self.criteria: StoppingCriteriaList = model._get_stopping_criteria(
             generation_config=config, stopping_criteria=extras.get("stopping_criteria") or StoppingCriteriaList(),
             tokenizer=tokenizer,
@@ -305,7 +309,12 @@ class Request:
         try:
             tokens = [*self.tokens, *after]
             ids = torch.tensor([tokens], device=logits.device)  # [1, n]
-            scores = self.processors(ids, logits.unsqueeze(0).float())  # [1, V]
+            scores = logits.unsqueeze(0).float()  # [1, V]
+            if self._direct:
+                for processor in self.processors:
+                    scores = processor(ids, scores)
+            else:
+                scores = self.processors(ids, scores)
             if not math.isfinite(float(scores.max())):
                 raise ValueError(
                     f"request {self.id}: its logits processors left no finite score (NaN or every token banned); "
@@ -315,7 +324,7 @@ class Request:
                 token = int(torch.multinomial(torch.softmax(scores, dim=-1)[0], 1, generator=self.generator))
             else:
                 token = int(scores.argmax(dim=-1))
-            full = torch.tensor([[*tokens, token]], device=logits.device)  # [1, n + 1]
+            full = torch.cat([ids, ids.new_tensor([[token]])], dim=1)  # [1, n + 1]
             logprob = None if self.logprobs is None else token_logprobs(logits.unsqueeze(0), [token], self.logprobs)[0]
             return Choice(token, bool(self.criteria(full, scores).any()), logprob)
         except BaseException:
