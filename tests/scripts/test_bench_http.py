@@ -140,9 +140,10 @@ def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
     assert len(heads) == 3 and all(len(job.prompt_ids) > 20 for job in jobs)
     assert script.make_jobs(model, tokenizer, args, count=12, seed=0, max_new=4) == jobs  # seeded
     settings = script.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0, replicas=2)
-    assert settings.command("ray-pow2", 1)[-9:] == ["--ray", "--replicas", "2", "--replica-cpus", "0",
-                                                    "--replica-threads", "1", "--router", "pow2"]
-    assert settings.command("ray-single", 1)[-8:-6] == ["--replicas", "1"]
+    assert settings.command("ray-pow2", 1)[-11:] == ["--ray", "--replicas", "2", "--replica-cpus", "0",
+                                                     "--replica-threads", "1", "--router", "pow2", "--speculative",
+                                                     "off"]
+    assert settings.command("ray-single", 1)[-10:-8] == ["--replicas", "1"]
     assert script.request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
 
 

@@ -571,10 +571,11 @@ class ServerSettings:
                     self.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-memory", str(self.budget),
                     "--ray", "--replicas", str(replicas), "--replica-cpus", "0",
                     "--replica-threads", str(max(1, self.threads // replicas)),
-                    "--router", "pow2" if contender == "ray-pow2" else "prefix"]
+                    "--router", "pow2" if contender == "ray-pow2" else "prefix", "--speculative", "off"]
         if contender in OUR_SERVERS:
-            flags = {"ours": [], "ours-stock": ["--no-packed-linears"], "ours-bmm": ["--bmm-decode"],
-                     "ours-flex": ["--flex-decode"],
+            plain = ["--speculative", "off"]  # the others' decode steps compute one token per row
+            flags = {"ours": plain, "ours-stock": ["--no-packed-linears", *plain], "ours-bmm": ["--bmm-decode", *plain],
+                     "ours-flex": ["--flex-decode", *plain],
                      "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
                      }[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
