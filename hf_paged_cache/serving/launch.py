@@ -82,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests waiting to start; more get 429 (default: 256)")
     parser.add_argument("--max-step-tokens", type=_positive,
                         help="most prompt tokens prefilled per step (default: 512)")
-    parser.add_argument("--speculative", default="off", type=_speculative, metavar="{ngram,draft:MODEL,off}",
+    parser.add_argument("--speculative", default="ngram", type=_speculative, metavar="{ngram,draft:MODEL,off}",
                         help="speculative decoding, in the decode steps where it is expected to pay; the answers "
-                             "are the same: ngram verifies draft tokens looked up in each request's own prompt "
-                             "and answer; draft:MODEL those a smaller model with the same tokenizer writes "
-                             "(a Hub id, a local path or an offline name, loaded as --model is) (default: off)")
+                             "are the same (greedy and seeded ones): ngram verifies draft tokens looked up in each "
+                             "request's own prompt and answer; draft:MODEL those a smaller model with the same "
+                             "tokenizer writes (a Hub id, a local path or an offline name, loaded as --model is); "
+                             "off: one token per request and step (default: ngram)")
     parser.add_argument("--speculative-tokens", type=_positive, default=4,
                         help="most draft tokens per request and step with --speculative (default: 4)")
     parser.add_argument(

@@ -563,7 +563,8 @@ def test_a_client_that_goes_away_cancels_its_request(server, client, reference):
 
 
 def test_metrics_count_the_batcher_steps(server, client):
-    """One request alone: its prompt tokens in prompt steps, then its other tokens one decode step each."""
+    """One request alone: its prompt tokens in prompt steps, then its other tokens in decode steps (one each,
+    or several in a step that kept drafts: speculation is on by default)."""
     def steps(text: str, kind: str) -> tuple[float, ...]:
         label = f'kind="{kind}"'
         return tuple(metric(text, "hf_paged_cache_" + name, label)
@@ -577,7 +578,7 @@ def test_metrics_count_the_batcher_steps(server, client):
         tuple(b - a for a, b in zip(steps(before, kind), steps(after, kind))) for kind in ("prompt", "decode")
     )
     assert (prompt_steps, prompt_tokens) == (1, answer.usage.prompt_tokens)  # nothing of it cached before
-    assert decode_steps == decode_tokens == answer.usage.completion_tokens - 1 == 6
+    assert decode_tokens == answer.usage.completion_tokens - 1 == 6 and 1 <= decode_steps <= decode_tokens
     assert prompt_seconds > 0 and decode_seconds > 0
 
 
