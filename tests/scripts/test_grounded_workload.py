@@ -161,7 +161,8 @@ def test_bench_http_speculative_contenders(bench, tmp_path) -> None:
     settings = bench.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0,
                                     speculative_tokens=args.speculative_tokens,
                                     prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
-    assert settings.command("ours-spec", 1) == settings.command("ours", 1) + [
+    assert settings.command("ours", 1)[-2:] == ["--speculative", "off"]
+    assert settings.command("ours-spec", 1) == settings.command("ours", 1)[:-2] + [
         "--speculative", "ngram", "--speculative-tokens", "3"]
     spec = settings.command("vllm-spec", 1)
     assert spec[:-2] == settings.command("vllm", 1) and spec[-2] == "--speculative-config"

@@ -30,12 +30,14 @@ PROMPTS = ["The quick brown fox", "Paged attention stores keys", "0123456789 abc
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
-    """The Ray application and the single-process server on the same model, started side by side."""
+    """The Ray application and the single-process server on the same model, started side by side. The Ray one
+    computes a token per request and step (``--speculative off``): the replica-failure test needs its streams
+    to last (drafts of these repetitive answers would end them several times sooner)."""
     ray_log = tmp_path_factory.mktemp("ray-server-log") / "server.log"
     lone_log = tmp_path_factory.mktemp("lone-server-log") / "server.log"
     with run_servers([
         (model_dir, ray_log, "--ray", "--replicas", "2", "--replica-threads", "1", "--replica-cpus", "0",
-         "--num-blocks", "256"),
+         "--num-blocks", "256", "--speculative", "off"),
         (model_dir, lone_log, "--num-blocks", "256"),
     ]) as (ray_running, lone_running):
         ray_processes = psutil.Process(ray_running.process.pid).children(recursive=True)
