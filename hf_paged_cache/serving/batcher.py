@@ -95,8 +95,8 @@ class ContinuousBatcher:
             ``paged_sdpa``; turned off by itself for a model that cannot); False runs them one by one.
         speculative: ``"ngram"`` verifies draft tokens looked up in each request's own prompt and output, up
             to `speculative_tokens` per row, in the decode steps where that is expected to pay
-            (`hf_paged_cache.serving.speculation`); greedy requests give the same tokens, sampled ones the
-            same distribution. A model (a smaller one with the same tokenizer) drafts its own greedy
+            (`hf_paged_cache.serving.speculation`); greedy requests give the same tokens, and so do sampled
+            ones for a seed. A model (a smaller one with the same tokenizer) drafts its own greedy
             continuation instead (`hf_paged_cache.serving.draft_model`); a `Speculator` of your own sets
             how. None (the default) or ``"off"``: one token per row and step.
 

@@ -37,8 +37,7 @@ COST_SAMPLES = 256  # decode steps the cost model remembers
 
 
 class Proposer(Protocol):
-    """Where one request's drafts come from: a deterministic function of its tokens so far (the rejection rule
-    of sampled requests relies on it)."""
+    """Where one request's drafts come from: a function of its tokens so far."""
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
 
@@ -46,9 +45,10 @@ class Proposer(Protocol):
 class DraftSource(Protocol):
     """Where a decode step's drafts come from, for all its rows at once.
 
-    Drafts must be a deterministic function of each request's tokens so far (the rejection rule of sampled
-    requests relies on it). `proposes_as_asked`: the source always proposes as many tokens as it is asked for
-    (a draft model), so the speculator chooses how many before asking, not after seeing what it finds.
+    Drafts only decide how far a step verifies: every position is picked as it would be without them (a sampled
+    request with its own generator), so they change no token. `proposes_as_asked`: the source always proposes as
+    many tokens as it is asked for (a draft model), so the speculator chooses how many before asking, not after
+    seeing what it finds.
     """
 
     proposes_as_asked: bool
