@@ -92,8 +92,7 @@ class StepExecutor:
 
     def _prefetch_masks(self, plan: StepPlan) -> None:
         """Start filling the grammar masks of the step's rows that will pick a token (`MaskPrefetch`)."""
-        choosing = [*plan.running, *(m for chunk in plan.chunks if chunk.finishes for m in chunk.request.group)]
-        rows = [(processor, request.generated) for request in choosing for processor in request.processors
+        rows = [(processor, request.generated) for request in plan.choosing for processor in request.processors
                 if isinstance(processor, GrammarLogitsProcessor)]
         if rows:
             self._masks = self._masks or MaskPrefetch()
@@ -121,7 +120,7 @@ class StepExecutor:
 
     def _run_packed(self, plan: StepPlan, result: StepResult, drafts: Drafts | None = None) -> list[list[Choice]]:
         """The step's decode rows and prompt chunks in one packed forward, their picks in `result`. With
-        `drafts`, each decode row carries its drafts (``1 + k`` positions) and keeps what `_verify_rows` keeps:
+        `drafts`, each decode row carries its drafts (``1 + k`` positions) and keeps what `verify_rows` keeps:
         returned, for the caller to put in `result`. Any failure propagates with every cache as it was."""
         cache, running = plan.running_cache, plan.running
         q = 1 + (drafts.k if drafts is not None else 0)  # positions per decode row
@@ -246,8 +245,7 @@ class StepExecutor:
         """The decode rows with their `drafts` verified in one forward (with the step's prompt chunks, packed),
         or None (every cache and every sampling generator as it was) when anything fails: the step then runs
         without drafts, and draws what it would have drawn."""
-        choosing = [*plan.running, *(member for chunk in plan.chunks for member in chunk.request.group)]
-        sampling = [request for request in choosing if request.config.do_sample]
+        sampling = [request for request in plan.choosing if request.config.do_sample]
         states = [request.generator.get_state() for request in sampling]
         result = self._try_speculative(plan, drafts)
         if result is None:

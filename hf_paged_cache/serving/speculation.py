@@ -103,10 +103,11 @@ class OwnTokens:
         self._rows: dict[Request, Proposer] = {}
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
-        self.keep_only(requests)
         proposals = []
         for request, limit in zip(requests, limits):
-            proposer = self._rows.get(request) or self._rows.setdefault(request, self.proposer())
+            proposer = self._rows.get(request)
+            if proposer is None:
+                proposer = self._rows[request] = self.proposer()
             proposals.append(proposer.propose(request.tokens, limit) if limit > 0 else [])
         return proposals
 

@@ -33,6 +33,12 @@ class StepPlan:
     running_cache: PagedCache
     chunks: list[Chunk]
 
+    @property
+    def choosing(self) -> list[Request]:
+        """The requests that pick a token in this step: every running one, and each choice of a prompt whose
+        last chunk this step computes."""
+        return [*self.running, *(member for chunk in self.chunks if chunk.finishes for member in chunk.request.group)]
+
 
 @dataclass
 class StepResult:
