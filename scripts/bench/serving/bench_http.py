@@ -331,32 +331,32 @@ def make_jobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: 
     return jobs
 
 
+def chat_job(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], max_tokens: int,
+             **fields: Any) -> Job:
+    """A chat request (EOS honoured) as the servers see it: its messages through `tokenizer`'s chat template,
+    tokenized as the servers tokenize it; `fields` set the rest of the `Job`."""
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
+    return Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_tokens,
+               messages=tuple(messages), ignore_eos=False, **fields)
+
+
 def make_grounded_jobs(tokenizer: PreTrainedTokenizerBase, *, count: int, seed: int,
                        max_new: int | None = None) -> list[Job]:
     """`count` chat requests of the grounded workload (`hf_paged_cache.bench.grounded`), EOS honoured, their
     ``max_tokens`` set from the reference answers in `tokenizer`'s tokens (at most `max_new`, when given)."""
     workload = grounded_workload(count, seed=seed,
                                  count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False).input_ids))
-    jobs = []
-    for request in workload.requests:
-        messages = [dict(m) for m in request.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        max_tokens = request.max_tokens if max_new is None else min(request.max_tokens, max_new)
-        jobs.append(Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_tokens,
-                        messages=request.messages, ignore_eos=False, expected=request.expected))
-    return jobs
+    return [chat_job(tokenizer, request.messages,
+                     request.max_tokens if max_new is None else min(request.max_tokens, max_new),
+                     expected=request.expected)
+            for request in workload.requests]
 
 
 def make_json_jobs(tokenizer: PreTrainedTokenizerBase, *, count: int, seed: int,
                    max_new: int = JSON_MAX_TOKENS) -> list[Job]:
     """`count` chat requests of `hf_paged_cache.bench.json_workload`, EOS honoured, at most `max_new` tokens."""
-    jobs = []
-    for request in json_workload(count, seed=seed):
-        messages = [dict(m) for m in request.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        jobs.append(Job(text, list(tokenizer(text, add_special_tokens=False).input_ids), max_new,
-                        messages=request.messages, ignore_eos=False, response_format=request.response_format))
-    return jobs
+    return [chat_job(tokenizer, request.messages, max_new, response_format=request.response_format)
+            for request in json_workload(count, seed=seed)]
 
 
 def schema_valid(text: str, job: Job) -> bool:
@@ -960,9 +960,9 @@ def print_report(results: dict[str, Any]) -> None:
                 "same text every round": f"{r['texts_same_every_round']}/{n}"}
         rows.append(row)
     if chat:
-        print(f"{n} {results['workload']} chat requests ({results['prompt_tokens']} prompt tokens, answers ended by EOS or at "
-              f"their caps, {results['output_tokens']} tokens in all), {results['concurrency']} clients, KV budget "
-              f"{mib(results['budget_bytes']):.1f} MiB, {results['threads']} threads")
+        print(f"{n} {results['workload']} chat requests ({results['prompt_tokens']} prompt tokens, answers ended by "
+              f"EOS or at their caps, {results['output_tokens']} tokens in all), {results['concurrency']} clients, "
+              f"KV budget {mib(results['budget_bytes']):.1f} MiB, {results['threads']} threads")
     else:
         print(f"{n} requests ({results['prompt_tokens']} prompt, {results['output_tokens']} output tokens), "
               f"{results['concurrency']} clients, KV budget {mib(results['budget_bytes']):.1f} MiB, "
