@@ -250,12 +250,20 @@ def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
 
 
 def _speculative_option(options: argparse.Namespace, dtype: torch.dtype) -> Any:
-    """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded."""
+    """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded (its
+    linear layers packed as the target's are, with ``--packed-linears``)."""
+    import torch
+
+    from ..kernels import pack_linears
+
     if not options.speculative.startswith("draft:"):
         return options.speculative
     name = options.speculative[len("draft:"):]
     logger.info("loading the draft model %s (%s on %s)", name, dtype, options.device)
-    return _load_model(options, dtype, name)[0]
+    draft = _load_model(options, dtype, name)[0]
+    if options.packed_linears and torch.device(options.device).type == "cpu":
+        logger.info("packed %d linear layers of the draft model for oneDNN", pack_linears(draft))
+    return draft
 
 
 def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | None = None) -> tuple[Any, Any]:

@@ -18,7 +18,8 @@ def test_speculative_answers_equal_generate_and_are_counted(model_dir, reference
     model, tokenizer = reference
     log = tmp_path / "server.log"
     speculative = "ngram" if method == "ngram" else f"draft:{model_dir}"  # the model drafts for itself
-    with run_server(model_dir, log, "--speculative", speculative, "--speculative-tokens", "3") as server:
+    logs = ["--log-level", "info"] if method == "draft" else []  # to see that the draft's layers were packed
+    with run_server(model_dir, log, "--speculative", speculative, "--speculative-tokens", "3", *logs) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         for prompt in ["abcabcabcabcab", "the sea, the sea, the sea, the", "xyz"]:
             ids = tokenizer(prompt).input_ids
@@ -34,6 +35,7 @@ def test_speculative_answers_equal_generate_and_are_counted(model_dir, reference
     assert 0 < drafts and 0 <= accepted <= drafts
     if method == "draft":
         assert accepted > 0.9 * drafts  # its own drafts: all kept but for ties between float32 kernels
+        assert "linear layers of the draft model for oneDNN" in log.read_text()  # packed as the model's are
 
 
 def test_an_unknown_speculative_method_stops_the_command(model_dir, tmp_path):
