@@ -11,6 +11,10 @@ import httpx
 import pytest
 from server_process import KEY, NAME
 
+from hf_paged_cache.serving.http.responses import StreamedOutput
+from hf_paged_cache.serving.http.tool_deltas import ToolDeltas
+from hf_paged_cache.serving.http.tools import tool_request
+
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -91,6 +95,74 @@ def test_function_tool(client, stream):
     call = output[-1]
     assert call.type == "function_call" and call.name == "lookup" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+
+
+def test_a_streamed_function_call_comes_in_pieces(client):
+    """The call's item opens (empty arguments) as soon as its name is written, its arguments follow in pieces,
+    and the events join into the unstreamed answer's call; the official client's stream helper, which builds
+    the response from the events, agrees."""
+    kwargs = dict(model=NAME, input="look up cat", tools=[TOOL], max_output_tokens=120, temperature=0,
+                  tool_choice={"type": "function", "name": "lookup"})
+    whole = client.responses.create(**kwargs).output[-1]
+    events = list(client.responses.create(stream=True, **kwargs))
+    call = events[-1].response.output[-1]
+    index = len(events[-1].response.output) - 1
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(added) == 1 and (added[0].item.arguments, added[0].item.status) == ("", "in_progress")
+    assert events.index(added[0]) < events.index(pieces[0])
+    assert len(pieces) > 3 and all((e.item_id, e.output_index) == (call.id, index) for e in pieces)
+    assert "".join(e.delta for e in pieces) == call.arguments == whole.arguments
+    assert (call.name, call.status) == (whole.name, "completed")
+    done = [e.type for e in events[events.index(pieces[-1]) + 1 :]]
+    assert done == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert (final.output[-1].name, final.output[-1].arguments) == (whole.name, whole.arguments)
+
+
+def _stream_items(text: str, cut: bool = False):
+    """`text`, a hermes answer with tools, streamed a character at a time: its events and the items it closes."""
+    numbers = iter(range(1000))
+    chat_tool = {"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}
+    tools = tool_request([chat_tool], "auto", None, "hermes")
+    output, deltas = StreamedOutput("msg_1", lambda kind, **f: {"type": kind, "n": next(numbers), **f}), ToolDeltas(tools)
+    events = [e for end in range(1, len(text) + 1) for e in output.deltas(deltas.update(text[:end]))]
+    ending, calls = deltas.end(text)
+    events += output.deltas(ending)
+    events += output.close(cut=cut, calls=len(calls))
+    return events, output.items
+
+
+def test_streamed_items_open_as_written_and_join_into_the_answer():
+    """Text, then two calls: the message opens first and its text comes before any call opens; each call's
+    arguments come in pieces at its own output index; the items close in order. Cut inside a call, that call ends
+    incomplete."""
+    text = ('Sure. <tool_call>\n{"name": "lookup", "arguments": {"word": "c}a\\"t"}}\n</tool_call>'
+            '<tool_call>\n{"name": "lookup", "arguments": {"word": "dog"}}\n</tool_call>')
+    events, items = _stream_items(text)
+    assert [(i.type, i.status) for i in items] == [("message", "completed"), ("function_call", "completed"),
+                                                   ("function_call", "completed")]
+    assert items[0].content[0].text == "Sure."
+    assert [(i.name, json.loads(i.arguments)) for i in items[1:]] == [("lookup", {"word": 'c}a"t'}),
+                                                                      ("lookup", {"word": "dog"})]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.function_call_arguments.delta") > max(
+        n for n, k in enumerate(kinds) if k == "response.output_text.delta")
+    for index, item in enumerate(items[1:], start=1):
+        pieces = [e for e in events if e["type"] == "response.function_call_arguments.delta"
+                  and e["output_index"] == index]
+        assert len(pieces) > 3 and "".join(e["delta"] for e in pieces) == item.arguments
+        assert all(e["item_id"] == item.id for e in pieces)
+    closing = [(e["type"], e["output_index"]) for e in events if e["type"].endswith(".done")]
+    assert closing == [("response.output_text.done", 0), ("response.content_part.done", 0),
+                       ("response.output_item.done", 0), ("response.function_call_arguments.done", 1),
+                       ("response.output_item.done", 1), ("response.function_call_arguments.done", 2),
+                       ("response.output_item.done", 2)]
+    assert [e["n"] for e in events] == list(range(len(events)))
+    _, cut = _stream_items(text[: text.index("dog")], cut=True)
+    assert [(i.type, i.status) for i in cut] == [("message", "incomplete"), ("function_call", "completed"),
+                                                 ("function_call", "incomplete")]
 
 
 def test_a_function_call_output_continues_the_conversation(client):

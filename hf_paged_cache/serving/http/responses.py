@@ -5,11 +5,13 @@ messages (text, or a list of messages, function calls and their outputs), ``text
 ``response_format``, function tools and ``tool_choice`` in the chat shapes, ``max_output_tokens`` the
 ``max_tokens``. It then runs as a chat completion does (the same checks, template, constraints and tool
 parsing), and its answer is written as a response object, or as the Responses API's stream of events:
-``response.created``, ``response.in_progress``, for a message ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``; for a function call its item with
-``response.function_call_arguments.done``; then ``response.completed`` (``incomplete`` when cut by
-``max_output_tokens``).
+``response.created``, ``response.in_progress``; as the answer is written, for a message
+``response.output_item.added``, ``response.content_part.added`` and ``response.output_text.delta`` per piece of
+text, for a function call (with tools: once its name is written, as chat completions stream it)
+``response.output_item.added`` and ``response.function_call_arguments.delta`` per piece of its arguments; when
+it ends, per item ``response.output_text.done`` and ``response.content_part.done``, or
+``response.function_call_arguments.done``, and ``response.output_item.done``; then ``response.completed``
+(``response.incomplete`` when cut by ``max_output_tokens``).
 
 The server keeps nothing: ``store`` is answered false, and ``previous_response_id`` is a 400.
 """
@@ -17,7 +19,7 @@ The server keeps nothing: ``store`` is answered false, and ``previous_response_i
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,6 +28,7 @@ from .errors import APIError
 from .generation import ChoiceResult, Generation
 from .protocol import (
     ChatCompletionRequest,
+    DeltaMessage,
     IncompleteDetails,
     OutputFunctionCall,
     OutputMessage,
@@ -35,6 +38,7 @@ from .protocol import (
     ResponsesRequest,
     ResponsesUsage,
 )
+from .tool_deltas import ToolDeltas
 from .tools import ToolRequest
 
 CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -119,8 +123,10 @@ class ResponsesFormatter:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
-    def response(self, generation: Generation | None, result: ChoiceResult | None) -> ResponseObject:
-        """The response object: in progress (no `result` yet), or completed (incomplete when cut)."""
+    def response(self, generation: Generation | None, result: ChoiceResult | None,
+                 output: list[OutputMessage | OutputFunctionCall] | None = None) -> ResponseObject:
+        """The response object: in progress (no `result` yet), or completed (incomplete when cut), its `output`
+        the items a stream sent (default: those of `result`'s answer)."""
         body = self.body
         response = ResponseObject(
             id=self.id, status="in_progress", model=self.model, instructions=body.instructions,
@@ -130,7 +136,7 @@ class ResponsesFormatter:
         )
         if result is None:
             return response
-        response.output = self._items(result)
+        response.output = output if output is not None else self._items(result)
         response.status = "incomplete" if result.finish_reason == "length" else "completed"
         if result.finish_reason == "length":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
@@ -143,14 +149,16 @@ class ResponsesFormatter:
         content, calls = (result.text, []) if self.tools is None else self.tools.calls(result.text)
         items: list[OutputMessage | OutputFunctionCall] = []
         if content or not calls:
-            items.append(OutputMessage(id=self.message_id, content=[OutputText(text=content or "")]))
+            status = "incomplete" if result.finish_reason == "length" else "completed"
+            items.append(OutputMessage(id=self.message_id, status=status, content=[OutputText(text=content or "")]))
         items += [OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.name,
                                      arguments=call.arguments) for call in calls]
         return items
 
     async def events(self, generation: Generation) -> AsyncIterator[ResponseEvent]:
-        """The stream's events, numbered from 0. Text is sent as it comes, unless the request has tools (then
-        the answer is held back to its end, so that calls are never sent as text)."""
+        """The stream's events, numbered from 0: each output item is opened as the answer writes it (a message
+        when text comes; with tools, text that cannot be part of a call, and each call once `ToolDeltas` opens
+        it, its arguments in pieces), and all are closed, in order, when the answer ends."""
         number = iter(range(1 << 62))
 
         def event(kind: str, **fields: Any) -> ResponseEvent:
@@ -158,41 +166,101 @@ class ResponsesFormatter:
 
         yield event("response.created", response=self.response(None, None))
         yield event("response.in_progress", response=self.response(None, None))
+        output = StreamedOutput(self.message_id, event)
+        deltas = ToolDeltas(self.tools) if self.tools is not None else None
+        if deltas is None:
+            for opened in output.text(""):  # the message opens at once
+                yield opened
         result = ChoiceResult(0, 0)
-        live = self.tools is None  # the message is streamed as it comes
-        if live:
-            for opening in self._message_opening(event):
-                yield opening
         async for update in generation:
             result.add(update)
-            if live and update.text:
-                yield event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
-                            delta=update.text)
-        final = self.response(generation, result)
-        for index, item in enumerate(final.output):
-            if isinstance(item, OutputMessage):
-                if not live:
-                    for opening in self._message_opening(event):
-                        yield opening
-                    if item.content[0].text:
-                        yield event("response.output_text.delta", item_id=item.id, output_index=index,
-                                    content_index=0, delta=item.content[0].text)
-                yield event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                            text=item.content[0].text)
-                yield event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
-                            part=item.content[0])
-            else:
-                yield event("response.output_item.added", output_index=index,
-                            item=item.model_copy(update={"arguments": "", "status": "in_progress"}))
-                yield event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                            delta=item.arguments)
-                yield event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                            arguments=item.arguments)
-            yield event("response.output_item.done", output_index=index, item=item)
+            if not update.text:
+                continue
+            for written in output.text(update.text) if deltas is None else output.deltas(deltas.update(result.text)):
+                yield written
+        calls = None
+        if deltas is not None:
+            ending, calls = deltas.end(result.text)
+            for written in output.deltas(ending):
+                yield written
+        for closed in output.close(cut=result.finish_reason == "length", calls=None if calls is None else len(calls)):
+            yield closed
+        final = self.response(generation, result, output=output.items)
         yield event("response.completed" if final.status == "completed" else "response.incomplete", response=final)
 
-    def _message_opening(self, event) -> Sequence[ResponseEvent]:
-        empty = OutputMessage(id=self.message_id, status="in_progress", content=[])
-        return [event("response.output_item.added", output_index=0, item=empty),
-                event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                      part=OutputText(text=""))]
+
+class StreamedOutput:
+    """The output items of one streamed response, as their events open, grow and close them.
+
+    `event` makes a numbered event (`ResponsesFormatter.events`). Items keep the order they were opened in; the
+    final response lists them so (a message and its text as streamed, each call with its arguments as streamed).
+    """
+
+    def __init__(self, message_id: str, event: Callable[..., ResponseEvent]):
+        self.message_id = message_id
+        self.event = event
+        self.items: list[OutputMessage | OutputFunctionCall] = []
+        self.message: OutputMessage | None = None
+        self.calls: dict[int, OutputFunctionCall] = {}  # by the call's index in the chat deltas
+
+    def text(self, text: str) -> list[ResponseEvent]:
+        """The message's next piece of `text` (the message opened first if it is not yet)."""
+        events = self._open_message() if self.message is None else []
+        if text:
+            self.message.content[0].text += text
+            events.append(self.event("response.output_text.delta", item_id=self.message.id,
+                                     output_index=self.items.index(self.message), content_index=0, delta=text))
+        return events
+
+    def deltas(self, deltas: list[DeltaMessage]) -> list[ResponseEvent]:
+        """`ToolDeltas`' chat deltas as the Responses API's events: content as the message's text, a call's
+        opening as a function call item, its arguments' pieces as ``response.function_call_arguments.delta``."""
+        events = []
+        for delta in deltas:
+            if delta.content:
+                events += self.text(delta.content)
+            for call in delta.tool_calls or ():
+                if call.id is not None:  # its opening: id, name, empty arguments
+                    item = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.function.name,
+                                              arguments="", status="in_progress")
+                    self.calls[call.index] = item
+                    self.items.append(item)
+                    events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                             item=item.model_copy()))
+                piece = call.function.arguments if call.function is not None else None
+                if piece:
+                    item = self.calls[call.index]
+                    item.arguments += piece
+                    events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
+                                             output_index=self.items.index(item), delta=piece))
+        return events
+
+    def close(self, *, cut: bool, calls: int | None) -> list[ResponseEvent]:
+        """Every item's closing events, in order (an empty message first if nothing was written). Items end
+        ``completed``, but the message of an answer `cut` by ``max_output_tokens`` and a call opened beyond the
+        `calls` the whole answer holds (one it did not finish) end ``incomplete``."""
+        events = self._open_message() if not self.items else []
+        complete = {id(call) for number, call in self.calls.items() if calls is None or number < calls}
+        for index, item in enumerate(self.items):
+            finished = not cut if isinstance(item, OutputMessage) else id(item) in complete
+            item.status = "completed" if finished else "incomplete"
+            if isinstance(item, OutputMessage):
+                text = item.content[0]
+                events += [self.event("response.output_text.done", item_id=item.id, output_index=index,
+                                      content_index=0, text=text.text),
+                           self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                      content_index=0, part=text.model_copy())]
+            else:
+                events.append(self.event("response.function_call_arguments.done", item_id=item.id,
+                                         output_index=index, arguments=item.arguments))
+            events.append(self.event("response.output_item.done", output_index=index, item=item.model_copy(deep=True)))
+        return events
+
+    def _open_message(self) -> list[ResponseEvent]:
+        self.message = OutputMessage(id=self.message_id, status="in_progress", content=[OutputText(text="")])
+        self.items.append(self.message)
+        index = len(self.items) - 1
+        return [self.event("response.output_item.added", output_index=index,
+                           item=self.message.model_copy(update={"content": []})),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=index,
+                           content_index=0, part=OutputText(text=""))]
