@@ -2,16 +2,19 @@
 say which of them this CPU runs."""
 
 from .cpu_capability import CpuCapability, cpu_capability
+from .linear_timing import PackedShape, time_linear_shapes
 from .mkl_dispatch import mkl_takes_fast_path
 from .packed_linear import PackedLinear, Probe, pack_linears, packed_linears_supported, packing_probe
 
 __all__ = [
     "CpuCapability",
     "PackedLinear",
+    "PackedShape",
     "Probe",
     "cpu_capability",
     "mkl_takes_fast_path",
     "pack_linears",
     "packed_linears_supported",
     "packing_probe",
+    "time_linear_shapes",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -122,12 +123,14 @@ class PackedLinear(nn.Linear):
         return f"{super().extra_repr()}, packed for oneDNN"
 
 
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, *, strict: bool = False) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, *, strict: bool = False,
+                 where: Callable[[nn.Linear], bool] | None = None) -> int:
     """Make every plain `nn.Linear` of `model` a `PackedLinear`, in place; returns how many it changed.
 
     Idempotent (a `PackedLinear` is left as it is). Subclasses of `nn.Linear` (quantized or parallel
     layers) keep their own forward. Layers whose weight's dtype `packing_probe` refuses on this CPU stay
     stock, with one log line per dtype naming the reason; with ``strict=True`` that is an error instead.
+    `where`, when given, picks the layers to pack (e.g. those `time_linear_shapes` found faster packed).
 
     Raises:
         NotImplementedError: on a PyTorch build without oneDNN; with ``strict=True``, for a layer on the CPU
@@ -136,7 +139,8 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, *, strict: bool
     if not packed_linears_supported():
         raise NotImplementedError("this PyTorch build has no oneDNN (mkldnn) linear operators to pack weights for")
     linears = [(parent, name, child) for parent in list(model.modules())
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+               for name, child in parent.named_children()
+               if type(child) is nn.Linear and (where is None or where(child))]
     refused = Counter(child.weight.dtype for _, _, child in linears
                       if child.weight.device.type == "cpu" and not packing_probe(child.weight.dtype).supported)
     for dtype, count in refused.items():

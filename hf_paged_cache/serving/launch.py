@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
              "much faster small batches, float32 rounding apart the same products, twice the linear weights' "
              "memory (default: on; --no-packed-linears for the stock kernels)",
     )
+    parser.add_argument(
+        "--time-linears", action="store_true",
+        help="with --packed-linears, time each group of same-shaped linear layers on the stock kernels and packed, "
+             "at 1 and 16 rows, at start-up (a second or two), and pack only the groups clearly faster packed on "
+             "this CPU (default: pack every layer)",
+    )
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument(
         "--bmm-decode", action="store_true",
@@ -183,14 +189,13 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     import torch
 
     from ..attention import set_paged_attention
-    from ..kernels import mkl_takes_fast_path, pack_linears
+    from ..kernels import mkl_takes_fast_path
     from .batcher import ContinuousBatcher
 
     dtype = resolve_dtype(options.dtype, options.device)
     logger.info("loading %s (%s on %s)", options.model, dtype, options.device)
     model, tokenizer = _load_model(options, dtype)
-    if options.packed_linears and torch.device(options.device).type == "cpu":
-        logger.info("packed %d linear layers for oneDNN", pack_linears(model))
+    _pack_linears(model, options, "")
     if torch.device(options.device).type == "cpu" and mkl_takes_fast_path() is False:
         logger.warning("MKL skips its fast kernels on this CPU (not an Intel one): SDPA's CPU kernels run up to "
                        "3x slower; see docs/serving.md, \"MKL on AMD CPUs\", for PyTorch's workaround")
@@ -252,18 +257,33 @@ def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
 def _speculative_option(options: argparse.Namespace, dtype: torch.dtype) -> Any:
     """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded (its
     linear layers packed as the target's are, with ``--packed-linears``)."""
-    import torch
-
-    from ..kernels import pack_linears
-
     if not options.speculative.startswith("draft:"):
         return options.speculative
     name = options.speculative[len("draft:"):]
     logger.info("loading the draft model %s (%s on %s)", name, dtype, options.device)
     draft = _load_model(options, dtype, name)[0]
-    if options.packed_linears and torch.device(options.device).type == "cpu":
-        logger.info("packed %d linear layers of the draft model for oneDNN", pack_linears(draft))
+    _pack_linears(draft, options, " of the draft model")
     return draft
+
+
+def _pack_linears(model: Any, options: argparse.Namespace, whose: str) -> None:
+    """Pack `model`'s linear layers for oneDNN as ``--packed-linears`` and ``--time-linears`` say (on a CPU)."""
+    import torch
+
+    from ..kernels import pack_linears, time_linear_shapes
+    from ..kernels.linear_timing import linear_key
+
+    if not options.packed_linears or torch.device(options.device).type != "cpu":
+        return
+    if not options.time_linears:
+        logger.info("packed %d linear layers%s for oneDNN", pack_linears(model), whose)
+        return
+    shapes = time_linear_shapes(model)
+    for shape in shapes:
+        logger.info("linear layers%s, %s", whose, shape.describe())
+    faster = {shape.key for shape in shapes if shape.packed_faster}
+    packed = pack_linears(model, where=lambda layer: linear_key(layer) in faster)
+    logger.info("packed %d linear layers%s for oneDNN, those timed faster packed", packed, whose)
 
 
 def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | None = None) -> tuple[Any, Any]:

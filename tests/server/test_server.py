@@ -214,6 +214,36 @@ def test_stock_linears_on_request_equal_the_stock_model(model_dir, tiny_servers)
     assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
 
 
+def test_time_linears_packs_only_the_groups_timed_faster_packed(model_dir, monkeypatch):
+    """``--time-linears`` packs the groups of same-shaped layers its timings found faster packed, and no other
+    (the timings are made to pick the first group only, so both ways are seen whatever this CPU measures)."""
+    import hf_paged_cache.kernels as kernels
+    from hf_paged_cache.kernels import PackedLinear
+    from hf_paged_cache.kernels.linear_timing import linear_key
+    from hf_paged_cache.serving.launch import build_parser, load_batcher
+
+    timed = []
+
+    def first_group_faster(model, *args, **kwargs):
+        shapes = kernels.linear_timing.time_linear_shapes(model, *args, **kwargs)
+        for number, shape in enumerate(shapes):
+            shape.packed_ms = {rows: ms * (0.5 if number == 0 else 2.0) for rows, ms in shape.stock_ms.items()}
+        timed.append(shapes)
+        return shapes
+
+    monkeypatch.setattr(kernels, "time_linear_shapes", first_group_faster)
+    batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64",
+                                                                 "--time-linears"]))
+    with batcher:
+        (shapes,) = timed
+        assert len(shapes) > 1
+        linears = [m for m in batcher.model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = [linear_key(m) for m in linears if type(m) is PackedLinear]
+        assert packed and set(packed) == {shapes[0].key} and len(packed) == shapes[0].layers
+        prompts = [tokenizer(p).input_ids for p in ("The sea is", "abc")]
+        assert [len(a) for a in batcher.generate(prompts, max_new_tokens=6, min_new_tokens=6)] == [6, 6]
+
+
 def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
     """``--bmm-decode`` serves on ``paged_bmm``: decode steps by batched products, answers of the asked length."""
     from call_counters import count_calls

@@ -44,6 +44,8 @@ the standard workload is a streamed ``POST /v1/completions``. Contenders (``--co
   so ``ours / batcher`` is what HTTP costs;
 - ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
   as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
+- ``ours-timed`` (not in the default list): ``ours`` with ``--time-linears`` (only the groups of linear layers
+  timed faster packed at start-up are packed);
 - ``ours-bmm`` (not in the default list): ``ours`` with ``--bmm-decode`` (the ``paged_bmm`` attention);
 - ``ours-flex`` and ``batcher-flex`` (not in the default list): ``ours`` with ``--flex-decode``, and ``batcher`` on
   the same attention (``paged_flex``: decode steps read the blocks in place, `hf_paged_cache.attention.flex_decode`);
@@ -194,12 +196,12 @@ from hf_paged_cache.serving import StepTimes
 from hf_paged_cache.serving.heap import pad_heap
 
 CONTENDERS = (
-    "ours", "transformers", "batcher", "ours-stock", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
+    "ours", "transformers", "batcher", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
     "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single", "ours-spec", "vllm-spec",
     "ours-json", "vllm-json",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
-OUR_SERVERS = ("ours", "ours-stock", "ours-bmm", "ours-flex", "ours-spec")
+OUR_SERVERS = ("ours", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "ours-spec")
 VLLM_SERVERS = ("vllm", "vllm-spec")
 SPECULATIVE = ("ours-spec", "vllm-spec")  # n-gram prompt lookup: --speculative-tokens drafts a step
 SPECULATIVE_SET = frozenset(SPECULATIVE)
@@ -574,7 +576,8 @@ class ServerSettings:
                     "--router", "pow2" if contender == "ray-pow2" else "prefix", "--speculative", "off"]
         if contender in OUR_SERVERS:
             plain = ["--speculative", "off"]  # the others' decode steps compute one token per row
-            flags = {"ours": plain, "ours-stock": ["--no-packed-linears", *plain], "ours-bmm": ["--bmm-decode", *plain],
+            flags = {"ours": plain, "ours-stock": ["--no-packed-linears", *plain], "ours-timed": ["--time-linears", *plain],
+                     "ours-bmm": ["--bmm-decode", *plain],
                      "ours-flex": ["--flex-decode", *plain],
                      "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
                      }[contender]
