@@ -77,7 +77,8 @@ def time_linear_shapes(model: nn.Module, rows: tuple[int, ...] = ROWS, repeats: 
     timed stock and packed at `rows` rows (module docstring). Nothing of `model` changes."""
     groups: dict[tuple[int, int, torch.dtype], list[nn.Linear]] = {}
     for layer in model.modules():
-        if type(layer) is nn.Linear and layer.weight.device.type == "cpu" and packing_probe(layer.weight.dtype).supported:
+        on_cpu = type(layer) is nn.Linear and layer.weight.device.type == "cpu"
+        if on_cpu and packing_probe(layer.weight.dtype).supported:
             groups.setdefault(linear_key(layer), []).append(layer)
     shapes = []
     for (in_features, out_features, dtype), layers in groups.items():
