@@ -2,7 +2,7 @@
 say which of them this CPU runs."""
 
 from .cpu_capability import CpuCapability, cpu_capability
-from .linear_timing import PackedShape, time_linear_shapes
+from .linear_timing import PackedShape, pack_timed, time_linear_shapes
 from .mkl_dispatch import mkl_takes_fast_path
 from .packed_linear import PackedLinear, Probe, pack_linears, packed_linears_supported, packing_probe
 
@@ -14,6 +14,7 @@ __all__ = [
     "cpu_capability",
     "mkl_takes_fast_path",
     "pack_linears",
+    "pack_timed",
     "packed_linears_supported",
     "packing_probe",
     "time_linear_shapes",

@@ -1,19 +1,21 @@
-"""`time_linear_shapes`: whether a model's linear layers multiply faster packed for oneDNN or on the stock kernels,
-timed on this CPU.
+"""`time_linear_shapes` and `pack_timed`: which kernel multiplies a model's linear layers faster on this CPU, for
+each batch size, timed rather than assumed.
 
-Which kernel wins depends on the CPU, not only on its instruction sets: on a 2-core AMD EPYC, MKL (the stock
-float32 path) passes over its fast kernels and the packed layers ran a decode step 1.8x to 4x faster; on a
-2-core Intel Xeon (Sapphire Rapids), where MKL takes them, the packed decoder layers ran a one-row step 0.80x
-the stock ones and were level at 16 rows, while the output head gained (1.16x at one row, 1.36x at 16). So
-the choice is measured, per group of layers of one shape: every layer of the group is multiplied in turn (each
-its own weight, as a forward streams them, not one weight again from the cache) by a batch of each size in
-`rows`, stock and packed alternated, and the group is packed when packed is clearly faster over those sizes
-(`PackedShape.packed_faster`). A tie stays stock: packing doubles the memory of those weights.
+Which kernel wins depends on the CPU and on the rows of a product, not only on instruction sets: on a 2-core
+AMD EPYC, MKL (the stock float32 path) passes over its fast kernels and the packed layers ran a decode step 1.8x
+to 4x faster; on a 2-core Intel Xeon (Sapphire Rapids), where MKL takes them, a one-row step ran 0.80x as fast
+packed, while at 16 rows the MLP's layers and the output head ran faster packed. So the choice is measured,
+per group of layers of one shape: every layer of the group is multiplied in turn (each its own weight, as a
+forward streams them, not one weight again from the cache) by a batch of each size in `rows`, stock and packed
+alternated. A group is packed from the fewest rows at which packed is clearly faster (`PACKED_FASTER`) at that
+size and every larger one timed (`PackedShape.packed_from`); smaller products keep the stock kernel on the
+weight the layer holds anyway (`PackedLinear.stock_below`). A group packed at no size stays stock: packing
+doubles the memory of those weights.
 """
+
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import BATCH_HINT, packing_probe
+from .packed_linear import BATCH_HINT, PackedLinear, pack_linears, packing_probe
 
-ROWS = (1, 16)
-"""Batch sizes a group is timed at: one client's decode step, and a full one."""
+ROWS = (1, 4, 16)
+"""Batch sizes a group is timed at: one client's decode step, a few, and a full one."""
 REPEATS = 5
 """Timed passes of each kernel (after one warm-up pass), medians taken."""
 PACKED_FASTER = 0.95
-"""The geometric mean over `ROWS` of packed / stock time below which a group is packed."""
+"""The packed / stock time below which packed is taken to be faster at a batch size (a tie stays stock)."""
 
 
 @dataclass
@@ -49,21 +51,21 @@ class PackedShape:
         return self.in_features, self.out_features, self.dtype
 
     @property
-    def ratio(self) -> float:
-        """Packed time over stock time, the geometric mean over the rows timed."""
-        ratios = [self.packed_ms[rows] / self.stock_ms[rows] for rows in self.stock_ms]
-        return math.exp(sum(map(math.log, ratios)) / len(ratios))
-
-    @property
-    def packed_faster(self) -> bool:
-        return self.ratio < PACKED_FASTER
+    def packed_from(self) -> int | None:
+        """The fewest rows timed from which packed is clearly faster at that size and every larger one timed
+        (None: at none)."""
+        sizes = sorted(self.stock_ms)
+        for number, rows in enumerate(sizes):
+            if all(self.packed_ms[size] < PACKED_FASTER * self.stock_ms[size] for size in sizes[number:]):
+                return rows
+        return None
 
     def describe(self) -> str:
         times = ", ".join(f"{rows} rows {self.stock_ms[rows]:.2f} / {self.packed_ms[rows]:.2f} ms"
-                          for rows in self.stock_ms)
-        choice = "packed" if self.packed_faster else "stock"
-        return (f"{self.layers} x [{self.in_features} -> {self.out_features}] {self.dtype}: stock / packed {times}, "
-                f"{self.ratio:.2f}x the time packed: {choice}")
+                          for rows in sorted(self.stock_ms))
+        choice = "stock" if self.packed_from is None else f"packed from {self.packed_from} rows"
+        shape = f"{self.layers} x [{self.in_features} -> {self.out_features}] {self.dtype}"
+        return f"{shape}: stock / packed {times}: {choice}"
 
 
 def linear_key(layer: nn.Linear) -> tuple[int, int, torch.dtype]:
@@ -101,3 +103,14 @@ def time_linear_shapes(model: nn.Module, rows: tuple[int, ...] = ROWS, repeats: 
             shape.packed_ms[count] = statistics.median(packed_times)
         shapes.append(shape)
     return shapes
+
+
+def pack_timed(model: nn.Module, shapes: list[PackedShape]) -> int:
+    """Pack the layers of `model` whose group `shapes` (`time_linear_shapes`) found faster packed at some size,
+    each taking the stock kernel below its group's `PackedShape.packed_from` rows; returns how many it packed."""
+    packed_from = {shape.key: shape.packed_from for shape in shapes if shape.packed_from is not None}
+    count = pack_linears(model, where=lambda layer: linear_key(layer) in packed_from)
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear) and linear_key(layer) in packed_from:
+            layer.stock_below = packed_from[linear_key(layer)]
+    return count

@@ -88,21 +88,26 @@ class PackedLinear(nn.Linear):
 
     It holds the original `weight` and `bias` parameters (shared, not copied: tied weights stay tied, and
     ``state_dict`` is unchanged). The packed copy is made on first use and again whenever the weight is
-    replaced, moved, cast or changed in place (its version counter), so it never goes stale.
+    replaced, moved, cast or changed in place (its version counter), so it never goes stale. A product of fewer
+    than `stock_below` rows (the leading dimensions of its input, multiplied) takes the stock kernel on the
+    weight it holds anyway: where timings found the stock kernel faster for small batches (`pack_timed`).
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, stock_below: int = 0):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
         self.bias = linear.bias
         self.batch_hint = batch_hint
+        self.stock_below = stock_below
         self._packed: torch.Tensor | None = None
         self._packed_from: tuple[int, int, torch.dtype, torch.device] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        packed = None if wants_grad or weight.device.type != "cpu" or x.dtype != weight.dtype else self._packed_weight()
+        small = self.stock_below and x.numel() < self.stock_below * x.shape[-1]  # fewer rows than stock_below
+        stock = wants_grad or small or weight.device.type != "cpu" or x.dtype != weight.dtype
+        packed = None if stock else self._packed_weight()
         if packed is None:
             return F.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
@@ -120,7 +125,8 @@ class PackedLinear(nn.Linear):
         return self._packed
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, packed for oneDNN"
+        below = f" from {self.stock_below} rows" if self.stock_below > 1 else ""
+        return f"{super().extra_repr()}, packed for oneDNN{below}"
 
 
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, *, strict: bool = False,

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--time-linears", action="store_true",
         help="with --packed-linears, time each group of same-shaped linear layers on the stock kernels and packed, "
-             "at 1 and 16 rows, at start-up (a second or two), and pack only the groups clearly faster packed on "
-             "this CPU (default: pack every layer)",
+             "at 1, 4 and 16 rows, at start-up (a few seconds), and pack only the groups clearly faster packed on "
+             "this CPU, products of fewer rows than where packing won keeping the stock kernel (default: pack "
+             "every layer, for every product)",
     )
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument(
@@ -270,8 +271,7 @@ def _pack_linears(model: Any, options: argparse.Namespace, whose: str) -> None:
     """Pack `model`'s linear layers for oneDNN as ``--packed-linears`` and ``--time-linears`` say (on a CPU)."""
     import torch
 
-    from ..kernels import pack_linears, time_linear_shapes
-    from ..kernels.linear_timing import linear_key
+    from ..kernels import pack_linears, pack_timed, time_linear_shapes
 
     if not options.packed_linears or torch.device(options.device).type != "cpu":
         return
@@ -281,9 +281,8 @@ def _pack_linears(model: Any, options: argparse.Namespace, whose: str) -> None:
     shapes = time_linear_shapes(model)
     for shape in shapes:
         logger.info("linear layers%s, %s", whose, shape.describe())
-    faster = {shape.key for shape in shapes if shape.packed_faster}
-    packed = pack_linears(model, where=lambda layer: linear_key(layer) in faster)
-    logger.info("packed %d linear layers%s for oneDNN, those timed faster packed", packed, whose)
+    logger.info("packed %d linear layers%s for oneDNN, those timed faster packed (from the rows they were)",
+                pack_timed(model, shapes), whose)
 
 
 def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | None = None) -> tuple[Any, Any]:

@@ -1,15 +1,19 @@
-"""`time_linear_shapes` and packing by its verdict: one group per shape and dtype, each timed on both kernels at
-every row count; `pack_linears(where=...)` packs just the groups picked; the verdict's rule."""
+"""`time_linear_shapes` and packing by its verdict (`pack_timed`): one group per shape and dtype, each timed on both
+kernels at every row count; the verdict's rule; `pack_linears(where=...)` packs just the groups picked, and a
+`PackedLinear` takes the stock kernel below its `stock_below` rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import tiny_model
 from torch import nn
 
-from hf_paged_cache.kernels import PackedLinear, PackedShape, pack_linears, packed_linears_supported, time_linear_shapes
-from hf_paged_cache.kernels.linear_timing import PACKED_FASTER, linear_key
+from hf_paged_cache.kernels import (
+    PackedLinear, PackedShape, pack_linears, pack_timed, packed_linears_supported, time_linear_shapes,
+)
+from hf_paged_cache.kernels.linear_timing import linear_key
 
 pytestmark = pytest.mark.skipif(not packed_linears_supported(), reason="this PyTorch build has no oneDNN")
 
@@ -39,12 +43,40 @@ def test_pack_linears_packs_only_the_layers_picked():
                for m in model.modules() if isinstance(m, nn.Linear))
 
 
-@pytest.mark.parametrize("packed_ms, faster", [
-    ({1: 0.5, 16: 0.5}, True),  # twice as fast
-    ({1: 1.2, 16: 0.7}, True),  # geometric mean 0.92
-    ({1: 1.0, 16: 0.96}, False),  # within the margin: stock keeps its memory
-    ({1: 2.0, 16: 0.9}, False),
+@pytest.mark.parametrize("packed_ms, packed_from", [
+    ({1: 0.5, 4: 0.5, 16: 0.5}, 1),  # faster at every size
+    ({1: 1.2, 4: 0.9, 16: 0.7}, 4),  # slower for one row
+    ({1: 0.5, 4: 1.1, 16: 0.7}, 16),  # faster at 1 and 16 but not 4: stock below 16
+    ({1: 1.0, 4: 0.97, 16: 0.96}, None),  # within the margin everywhere: stock keeps its memory
+    ({1: 0.5, 4: 0.5, 16: 1.2}, None),  # slower at the largest size
 ])
-def test_a_group_is_packed_when_clearly_faster_over_the_rows(packed_ms, faster):
-    shape = PackedShape(8, 8, torch.float32, 3, stock_ms={1: 1.0, 16: 1.0}, packed_ms=packed_ms)
-    assert shape.packed_faster is faster and (shape.ratio < PACKED_FASTER) is faster
+def test_a_group_is_packed_from_the_rows_where_it_stays_clearly_faster(packed_ms, packed_from):
+    shape = PackedShape(8, 8, torch.float32, 3, stock_ms={1: 1.0, 4: 1.0, 16: 1.0}, packed_ms=packed_ms)
+    assert shape.packed_from == packed_from
+    assert shape.describe().endswith("stock" if packed_from is None else f"packed from {packed_from} rows")
+
+
+def test_pack_timed_packs_each_group_from_its_rows_and_smaller_products_take_the_stock_kernel():
+    model = tiny_model("llama")
+    shapes = time_linear_shapes(model, rows=(1, 4), repeats=1)
+    verdicts = [{1: 0.5, 4: 0.5}, {1: 2.0, 4: 0.5}] + [{1: 2.0, 4: 2.0}] * (len(shapes) - 2)
+    for shape, ratios in zip(shapes, verdicts):
+        shape.packed_ms = {rows: shape.stock_ms[rows] * ratio for rows, ratio in ratios.items()}
+    expected = {shapes[0].key: 1, shapes[1].key: 4}
+    assert pack_timed(model, shapes) == shapes[0].layers + shapes[1].layers
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            assert (type(layer) is PackedLinear) == (linear_key(layer) in expected)
+            if type(layer) is PackedLinear:
+                assert layer.stock_below == expected[linear_key(layer)]
+    layer = next(m for m in model.modules() if type(m) is PackedLinear and m.stock_below == 4)
+    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), layer.batch_hint)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, layer.in_features)
+        kernel = (F.linear(x, layer.weight, layer.bias) if rows < 4
+                  else torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))
+        with torch.no_grad():
+            assert torch.equal(layer(x), kernel)  # bit for bit: the kernel its rows call for
+    with torch.no_grad():
+        x = torch.randn(2, 2, layer.in_features)  # 4 rows in two leading dimensions: packed
+        assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], ""))

@@ -214,9 +214,10 @@ def test_stock_linears_on_request_equal_the_stock_model(model_dir, tiny_servers)
     assert [c.text for c in answer.choices] == [text_of(tokenizer, generate_alone(stock, p, 12)) for p in prompts]
 
 
-def test_time_linears_packs_only_the_groups_timed_faster_packed(model_dir, monkeypatch):
-    """``--time-linears`` packs the groups of same-shaped layers its timings found faster packed, and no other
-    (the timings are made to pick the first group only, so both ways are seen whatever this CPU measures)."""
+def test_time_linears_packs_the_groups_timed_faster_packed_from_their_rows(model_dir, monkeypatch):
+    """``--time-linears`` packs the groups of same-shaped layers its timings found faster packed, each from the
+    rows where it was, and no other group (the timings are made to say: the first group at every size, the
+    second from 4 rows, the others never; so every way is seen whatever this CPU measures)."""
     import hf_paged_cache.kernels as kernels
     from hf_paged_cache.kernels import PackedLinear
     from hf_paged_cache.kernels.linear_timing import linear_key
@@ -224,22 +225,25 @@ def test_time_linears_packs_only_the_groups_timed_faster_packed(model_dir, monke
 
     timed = []
 
-    def first_group_faster(model, *args, **kwargs):
+    def made_up(model, *args, **kwargs):
         shapes = kernels.linear_timing.time_linear_shapes(model, *args, **kwargs)
         for number, shape in enumerate(shapes):
-            shape.packed_ms = {rows: ms * (0.5 if number == 0 else 2.0) for rows, ms in shape.stock_ms.items()}
+            ratios = {0: {1: 0.5, 4: 0.5, 16: 0.5}, 1: {1: 2.0, 4: 0.5, 16: 0.5}}.get(number, {1: 2, 4: 2, 16: 2})
+            shape.packed_ms = {rows: ms * ratios[rows] for rows, ms in shape.stock_ms.items()}
         timed.append(shapes)
         return shapes
 
-    monkeypatch.setattr(kernels, "time_linear_shapes", first_group_faster)
+    monkeypatch.setattr(kernels, "time_linear_shapes", made_up)
     batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64",
                                                                  "--time-linears"]))
     with batcher:
         (shapes,) = timed
-        assert len(shapes) > 1
+        assert len(shapes) > 2
+        expected = {shapes[0].key: 1, shapes[1].key: 4}
         linears = [m for m in batcher.model.modules() if isinstance(m, torch.nn.Linear)]
-        packed = [linear_key(m) for m in linears if type(m) is PackedLinear]
-        assert packed and set(packed) == {shapes[0].key} and len(packed) == shapes[0].layers
+        packed = {linear_key(m): m.stock_below for m in linears if type(m) is PackedLinear}
+        assert packed == expected
+        assert sum(type(m) is PackedLinear for m in linears) == shapes[0].layers + shapes[1].layers
         prompts = [tokenizer(p).input_ids for p in ("The sea is", "abc")]
         assert [len(a) for a in batcher.generate(prompts, max_new_tokens=6, min_new_tokens=6)] == [6, 6]
 
