@@ -200,6 +200,7 @@ class StreamedOutput:
         self.message_id = message_id
         self.event = event
         self.items: list[OutputMessage | OutputFunctionCall] = []
+        self.output_index: dict[str, int] = {}  # an item's id -> its place in `items`
         self.message: OutputMessage | None = None
         self.calls: dict[int, OutputFunctionCall] = {}  # by the call's index in the chat deltas
 
@@ -209,7 +210,7 @@ class StreamedOutput:
         if text:
             self.message.content[0].text += text
             events.append(self.event("response.output_text.delta", item_id=self.message.id,
-                                     output_index=self.items.index(self.message), content_index=0, delta=text))
+                                     output_index=self.output_index[self.message.id], content_index=0, delta=text))
         return events
 
     def deltas(self, deltas: list[DeltaMessage]) -> list[ResponseEvent]:
@@ -224,15 +225,14 @@ class StreamedOutput:
                     item = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.function.name,
                                               arguments="", status="in_progress")
                     self.calls[call.index] = item
-                    self.items.append(item)
-                    events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                    events.append(self.event("response.output_item.added", output_index=self._add(item),
                                              item=item.model_copy()))
                 piece = call.function.arguments if call.function is not None else None
                 if piece:
                     item = self.calls[call.index]
                     item.arguments += piece
                     events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
-                                             output_index=self.items.index(item), delta=piece))
+                                             output_index=self.output_index[item.id], delta=piece))
         return events
 
     def close(self, *, cut: bool, calls: int | None) -> list[ResponseEvent]:
@@ -240,10 +240,11 @@ class StreamedOutput:
         ``completed``, but the message of an answer `cut` by ``max_output_tokens`` and a call opened beyond the
         `calls` the whole answer holds (one it did not finish) end ``incomplete``."""
         events = self._open_message() if not self.items else []
-        complete = {id(call) for number, call in self.calls.items() if calls is None or number < calls}
+        if self.message is not None:
+            self.message.status = "incomplete" if cut else "completed"
+        for number, call in self.calls.items():
+            call.status = "completed" if calls is None or number < calls else "incomplete"
         for index, item in enumerate(self.items):
-            finished = not cut if isinstance(item, OutputMessage) else id(item) in complete
-            item.status = "completed" if finished else "incomplete"
             if isinstance(item, OutputMessage):
                 text = item.content[0]
                 events += [self.event("response.output_text.done", item_id=item.id, output_index=index,
@@ -258,9 +259,14 @@ class StreamedOutput:
 
     def _open_message(self) -> list[ResponseEvent]:
         self.message = OutputMessage(id=self.message_id, status="in_progress", content=[OutputText(text="")])
-        self.items.append(self.message)
-        index = len(self.items) - 1
+        index = self._add(self.message)
         return [self.event("response.output_item.added", output_index=index,
                            item=self.message.model_copy(update={"content": []})),
                 self.event("response.content_part.added", item_id=self.message_id, output_index=index,
                            content_index=0, part=OutputText(text=""))]
+
+    def _add(self, item: OutputMessage | OutputFunctionCall) -> int:
+        """Open `item` as the next output item; its output index."""
+        self.output_index[item.id] = len(self.items)
+        self.items.append(item)
+        return self.output_index[item.id]
