@@ -576,8 +576,8 @@ class ServerSettings:
                     "--router", "pow2" if contender == "ray-pow2" else "prefix", "--speculative", "off"]
         if contender in OUR_SERVERS:
             plain = ["--speculative", "off"]  # the others' decode steps compute one token per row
-            flags = {"ours": plain, "ours-stock": ["--no-packed-linears", *plain], "ours-timed": ["--time-linears", *plain],
-                     "ours-bmm": ["--bmm-decode", *plain],
+            flags = {"ours": plain, "ours-stock": ["--no-packed-linears", *plain],
+                     "ours-timed": ["--time-linears", *plain], "ours-bmm": ["--bmm-decode", *plain],
                      "ours-flex": ["--flex-decode", *plain],
                      "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
                      }[contender]
