@@ -10,7 +10,7 @@ from .attention import (
 from .cache import CacheStats, GroupStats, PagedCache
 from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
-from .serving import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
+from .engine import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 
 register_paged_attention()
 

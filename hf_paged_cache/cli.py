@@ -1,5 +1,5 @@
 """The ``hf-paged-cache`` command: ``hf-paged-cache serve MODEL ...`` runs the OpenAI-compatible server
-(`hf_paged_cache.serve`), ``hf-paged-cache plan ...`` the KV-memory planner (`hf_paged_cache.planner`),
+(`hf_paged_cache.server.cli`), ``hf-paged-cache plan ...`` the KV-memory planner (`hf_paged_cache.planner`),
 ``hf-paged-cache env`` the CPU paths this machine gets (`hf_paged_cache.env`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS = {
-    "serve": ("hf_paged_cache.serve", "run the OpenAI-compatible HTTP server"),
+    "serve": ("hf_paged_cache.server.cli", "run the OpenAI-compatible HTTP server"),
     "plan": ("hf_paged_cache.planner.cli", "plan KV memory for a model and a batch"),
     "env": ("hf_paged_cache.env", "print which CPU paths this machine gets"),
 }

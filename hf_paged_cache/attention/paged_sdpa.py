@@ -4,7 +4,7 @@ With a `PagedCache` built from the model, `PagedCache.update` writes the new key
 pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
 ``cache.update`` and to the attention function): this function then attends straight from the block
 tables, each row to its own real tokens, with no padded copy (`attend_from_pool`: row by row, `prefill`, or a
-decode step's rows at once, `decode`). In a packed forward (`hf_paged_cache.serving.packed`) it attends each
+decode step's rows at once, `decode`). In a packed forward (`hf_paged_cache.cache.packed_forward`) it attends each
 segment of the sequence from its own cache (`attend_packed`).
 
 Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its

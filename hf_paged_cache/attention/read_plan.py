@@ -164,7 +164,7 @@ class SegmentSpan:
 
 @dataclass
 class PackedAttentionInputs:
-    """A packed forward's segments (`hf_paged_cache.serving.packed`): where each sits, and its own attention inputs."""
+    """A packed forward's segments (`hf_paged_cache.cache.packed_forward`): where each sits, and its own attention inputs."""
 
     spans: list[SegmentSpan]
     inputs: list[PagedAttentionInputs]

@@ -1,6 +1,6 @@
 """`PackedCaches`: the cache of one forward over the new tokens of several `PagedCache`s packed into one sequence.
 
-A packed forward (`hf_paged_cache.serving.packed.packed_forward`) holds each member cache's new tokens as one
+A packed forward (`hf_paged_cache.cache.packed_forward.packed_forward`) holds each member cache's new tokens as one
 `Segment` of a ``[1, T]`` sequence. At each layer `PackedCaches.update` hands every member its slice of the new
 keys and values, shaped ``[rows, heads, q, dim]`` as if it ran alone (`PagedCache.update` stores them and plans
 attention from the pool), and `paged_sdpa` attends each slice from its own member's blocks

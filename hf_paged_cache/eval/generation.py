@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.paged_cache import PagedCache
-from ..serving.batcher import ContinuousBatcher
+from ..engine.batcher import ContinuousBatcher
 from .perplexity import cache_bytes, num_blocks_for
 
 __all__ = [

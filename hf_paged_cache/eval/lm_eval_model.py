@@ -46,7 +46,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..cache.paged_cache import PagedCache
-from ..serving.batcher import ContinuousBatcher
+from ..engine.batcher import ContinuousBatcher
 from .perplexity import chunked_logits, num_blocks_for
 
 __all__ = ["PagedHFLM", "main"]

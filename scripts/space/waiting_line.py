@@ -41,7 +41,7 @@ class WaitingLine:
     the next one may be first now). Blocks given back outside the line (a cache not admitted here) notify
     nobody; waiters also re-check every `RECHECK_S` seconds to notice those.
 
-    Why not the batcher's own admission: the batcher (`hf_paged_cache.serving.admission`, and its inbox's
+    Why not the batcher's own admission: the batcher (`hf_paged_cache.engine.admission`, and its inbox's
     `max_waiting`) decides, inside its one loop thread, which of the requests submitted to it start at the
     next step; a submitter never blocks there, and every request runs in the batcher's packed steps. The
     Space shows something else: each Batch request is one ragged `model.generate` on its own `PagedCache`

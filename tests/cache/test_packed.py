@@ -6,7 +6,7 @@ from tiny_models import VOCAB, tiny_model
 
 from hf_paged_cache import PagedCache, PoolExhaustedError, set_paged_attention
 from hf_paged_cache.cache.packed_caches import PackingUnsupported, Segment
-from hf_paged_cache.serving.packed import packed_forward
+from hf_paged_cache.cache.packed_forward import packed_forward
 
 # sliding and full layers (gemma3_text), logit soft-capping (gemma2), attention sinks (gpt_oss)
 ARCHITECTURES = ["llama", "qwen2", "gemma3_text", "gemma2", "gpt_oss"]

@@ -35,7 +35,7 @@ from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.kernels import cpu_capability
 from hf_paged_cache.kernels.cpu_capability import CAPABILITY_ENV
 from hf_paged_cache.models import add_model_arguments, fast_dtype, resolve_dtype
-from hf_paged_cache.serving.launch import build_parser
+from hf_paged_cache.server.launch import build_parser
 
 ARCHITECTURES = ["llama", "gemma3_text", "gpt_oss", "deepseek_v3"]  # plain, sliding, sinks, latent (Dk != Dv)
 ATTENTIONS = ["default", "paged_sdpa"]

@@ -341,7 +341,7 @@ def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_time
 
     from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
     from hf_paged_cache.kernels.packed_linear import PackedLinear
-    from hf_paged_cache.serving import executor
+    from hf_paged_cache.engine import executor
 
     forward, packed_forward = PackedLinear.forward, executor.packed_forward
     args = ["--model", tiny_dir, "--num-requests", "6", "--concurrency", "3", "--max-prompt", "40", "--max-new", "8",

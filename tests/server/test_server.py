@@ -34,9 +34,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="the server needs its extra: pip install -e '.[serve]'")
 
 from hf_paged_cache import ContinuousBatcher, PagedCache  # noqa: E402
-from hf_paged_cache.serving.http.engine import EngineClient, GenerationOptions  # noqa: E402
-from hf_paged_cache.serving.http.penalties import PresenceFrequencyPenalty  # noqa: E402
-from hf_paged_cache.serving.http.stop_strings import StopStringMatcher  # noqa: E402
+from hf_paged_cache.server.http.engine import EngineClient, GenerationOptions  # noqa: E402
+from hf_paged_cache.server.http.penalties import PresenceFrequencyPenalty  # noqa: E402
+from hf_paged_cache.server.http.stop_strings import StopStringMatcher  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ class _FakeEngine:
 def test_health_is_503_while_the_model_loads_and_once_shutting_down():
     from fastapi.testclient import TestClient
 
-    from hf_paged_cache.serving.http.app import build_app
-    from hf_paged_cache.serving.http.settings import ServerSettings
+    from hf_paged_cache.server.http.app import build_app
+    from hf_paged_cache.server.http.settings import ServerSettings
 
     loaded = threading.Event()
 
@@ -141,8 +141,8 @@ def test_chat_needs_a_chat_template():
     """The app in process, on an engine whose tokenizer has no chat template (and no --chat-template)."""
     from fastapi.testclient import TestClient
 
-    from hf_paged_cache.serving.http.app import build_app
-    from hf_paged_cache.serving.http.settings import ServerSettings
+    from hf_paged_cache.server.http.app import build_app
+    from hf_paged_cache.server.http.settings import ServerSettings
 
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
 
@@ -221,7 +221,7 @@ def test_time_linears_packs_the_groups_timed_faster_packed_from_their_rows(model
     import hf_paged_cache.kernels as kernels
     from hf_paged_cache.kernels import PackedLinear
     from hf_paged_cache.kernels.linear_timing import linear_key
-    from hf_paged_cache.serving.launch import build_parser, load_batcher
+    from hf_paged_cache.server.launch import build_parser, load_batcher
 
     timed = []
 
@@ -253,7 +253,7 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
     from call_counters import count_calls
 
     from hf_paged_cache.attention import decode
-    from hf_paged_cache.serving.launch import build_parser, load_batcher
+    from hf_paged_cache.server.launch import build_parser, load_batcher
 
     products = count_calls(monkeypatch, decode, "product_attention")
     batcher, tokenizer = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--bmm-decode"]))
@@ -272,7 +272,7 @@ def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_
     blocks in place (every step's rows in groups of their own here); greedy answers equal `generate` alone."""
     import hf_paged_cache.attention.read_planner as read_planner
     from hf_paged_cache.attention import flex_decode
-    from hf_paged_cache.serving.launch import build_parser, load_batcher
+    from hf_paged_cache.server.launch import build_parser, load_batcher
 
     monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)
 

@@ -124,7 +124,7 @@ def test_auto_under_an_avx2_cap_loads_float32_and_answers(model_dir, monkeypatch
     before and after, as the cap changes what they answer)."""
     from hf_paged_cache.kernels import packing_probe
     from hf_paged_cache.kernels.cpu_capability import cpu_capability
-    from hf_paged_cache.serving.launch import build_parser, load_batcher
+    from hf_paged_cache.server.launch import build_parser, load_batcher
 
     def clear_probes() -> None:
         cpu_capability.cache_clear()

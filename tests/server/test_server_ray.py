@@ -154,7 +154,7 @@ def test_a_prefix_summary_counts_the_leading_blocks_a_replica_holds():
     from tiny_models import tiny_model
 
     from hf_paged_cache import ContinuousBatcher
-    from hf_paged_cache.serving.ray.summary import KEY_BYTES, PrefixSummary
+    from hf_paged_cache.server.ray.summary import KEY_BYTES, PrefixSummary
 
     prompt = list(range(5, 55))  # 50 tokens: blocks 0-2 full, and the prompt's last token in block 3
     with ContinuousBatcher(tiny_model("llama"), num_blocks=32) as batcher, \
@@ -175,8 +175,8 @@ def test_a_prefix_summary_counts_the_leading_blocks_a_replica_holds():
 
 
 def test_serve_run_arguments_are_the_serve_commands():
-    from hf_paged_cache.serving.launch import build_parser
-    from hf_paged_cache.serving.ray.app import builder_argv
+    from hf_paged_cache.server.launch import build_parser
+    from hf_paged_cache.server.ray.app import builder_argv
 
     argv = builder_argv({"model": "some/model", "replicas": "2", "max_memory": "64MiB", "packed_linears": "false",
                          "trust_remote_code": "true", "metrics_need_key": "false", "router": "pow2"})

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from server_process import KEY, NAME
 
-from hf_paged_cache.serving.http.responses import StreamedOutput
-from hf_paged_cache.serving.http.tool_deltas import ToolDeltas
-from hf_paged_cache.serving.http.tools import tool_request
+from hf_paged_cache.server.http.responses import StreamedOutput
+from hf_paged_cache.server.http.tool_deltas import ToolDeltas
+from hf_paged_cache.server.http.tools import tool_request
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

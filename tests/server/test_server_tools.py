@@ -12,9 +12,9 @@ import pytest
 from json_tokenizer import json_tokenizer
 from server_process import KEY, NAME
 
-from hf_paged_cache.serving.http.errors import APIError
-from hf_paged_cache.serving.http.tool_deltas import ToolDeltas
-from hf_paged_cache.serving.http.tools import tool_request
+from hf_paged_cache.server.http.errors import APIError
+from hf_paged_cache.server.http.tool_deltas import ToolDeltas
+from hf_paged_cache.server.http.tools import tool_request
 from hf_paged_cache.structured import Grammars
 
 openai = pytest.importorskip("openai")

@@ -222,7 +222,7 @@ def test_the_batcher_fills_masks_while_the_forward_runs(model, tokenizer, gramma
 def test_importing_the_server_compiles_nothing():
     """``llguidance.torch`` runs ``torch.compile`` at import, loading inductor into every server (and failing
     where inductor cannot load); the structured room must reach llguidance only through its numpy helpers."""
-    code = ("import sys, hf_paged_cache.serving.http.app; "
+    code = ("import sys, hf_paged_cache.server.http.app; "
             "print(sorted(m for m in sys.modules if m in ('llguidance.torch', 'torch._inductor.compile_fx')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -119,7 +119,7 @@ from hf_paged_cache.bench import (
     write_json,
 )
 from hf_paged_cache.kernels import pack_linears
-from hf_paged_cache.serving.heap import pad_heap
+from hf_paged_cache.heap import pad_heap
 
 DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm, paged_flex when asked: not the library's default
 STEP_VARIANTS = ("dynamic", "paged_sdpa")  # --per-step's default: the first is the reference
@@ -173,7 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(default: {','.join(DEFAULT_VARIANTS)}; with --per-step {','.join(STEP_VARIANTS)})")
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: 16)")
     parser.add_argument("--pad-heap", action="store_true",
-                        help="keep freed memory in the heap (hf_paged_cache.serving.heap.pad_heap, as the server does) "
+                        help="keep freed memory in the heap (hf_paged_cache.heap.pad_heap, as the server does) "
                         "for every variant alike (without it: glibc's own settings)")
     runs = parser.add_argument_group("whole generate runs")
     runs.add_argument("--batch-sizes", default="1,8,32", help="greedy batch sizes (default: 1,8,32)")

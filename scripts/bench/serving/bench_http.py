@@ -40,7 +40,7 @@ the standard workload is a streamed ``POST /v1/completions``. Contenders (``--co
   token)``, page size ``--cb-page-size`` or transformers' 256);
 - ``batcher``: `hf_paged_cache.ContinuousBatcher` (``max_memory=BUDGET``) in this process, the same clients as
   threads reading the handles' tokens, its model's linear layers packed and the heap padded as the server's
-  (`hf_paged_cache.kernels.pack_linears`, `hf_paged_cache.serving.heap.pad_heap`): no HTTP, no server process,
+  (`hf_paged_cache.kernels.pack_linears`, `hf_paged_cache.heap.pad_heap`): no HTTP, no server process,
   so ``ours / batcher`` is what HTTP costs;
 - ``ours-stock`` (not in the default list): ``ours`` with ``--no-packed-linears``, the model's stock kernels
   as ``transformers`` runs them, so ``ours-stock / transformers`` is what the cache and the batcher give alone;
@@ -192,8 +192,8 @@ from hf_paged_cache.bench.json_workload import json_workload
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import ensure_offline_default_model, load_model_and_tokenizer, resolve_model_path
 from hf_paged_cache.pool.block_pool import block_keys
-from hf_paged_cache.serving import StepTimes
-from hf_paged_cache.serving.heap import pad_heap
+from hf_paged_cache.engine import StepTimes
+from hf_paged_cache.heap import pad_heap
 
 CONTENDERS = (
     "ours", "transformers", "batcher", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
