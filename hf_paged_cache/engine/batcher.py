@@ -1,9 +1,10 @@
 """`ContinuousBatcher`: many requests on one model and one block pool, admitted and retired at every step.
 
-The batcher is three parts on one loop thread: the `Scheduler` decides what each step runs (admission,
-prompt chunks, decode rows, preemption), the `StepExecutor` runs it on the model, all or nothing, with
-failures isolated to the request that causes them, and the `Inbox` hands the loop what other threads
-submit, cancel or close. See those modules for the policies; this one holds the public face.
+The batcher is four parts on one loop thread: the `Scheduler` decides which requests each step runs
+(admission, prompt chunks, decode rows, preemption), `StepRoles` completes that into the step's whole plan
+(packed or apart, drafts, constraints), the `StepExecutor` runs the plan on the model, all or nothing, with
+failures isolated to the request that causes them (`engine.recovery`), and the `Inbox` hands the loop what
+other threads submit, cancel or close. See those modules for the policies; this one holds the public face.
 
 With `pack_steps` (the default), a step's prompt chunks and decode rows run in one forward over one packed
 sequence (`hf_paged_cache.cache.packed_forward`): the weights are read once per step and the decode rows ride in
@@ -31,9 +32,10 @@ from ..speculative.draft_model import DraftModel
 from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
+from .roles import StepRoles
 from .scheduler import Scheduler
 from ..speculative.speculator import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
-from .steps import StepTimes
+from .step_result import StepTimes
 from .validation import flat_token_ids
 
 DEFAULT_MAX_STEP_TOKENS = 512
@@ -143,19 +145,20 @@ class ContinuousBatcher:
         self.vocab_size = model.get_input_embeddings().num_embeddings  # a prompt's ids are below it
         self.eos_token_ids = tuple(flat_token_ids(model.generation_config.eos_token_id))  # the model's own
         self._inbox = Inbox(None if max_waiting is None else as_count("max_waiting", max_waiting, 1))
-        self._scheduler = Scheduler(
-            model, running_cache, self._inbox,
-            max_running=as_count("max_running", max_running or DEFAULT_MAX_RUNNING, 1),
-            max_step_tokens=as_count("max_step_tokens", max_step_tokens or DEFAULT_MAX_STEP_TOKENS, 1),
-            reserve_new_tokens=reserve_new_tokens,
-        )
         speculator = speculative if isinstance(speculative, Speculator) else None
         if isinstance(speculative, PreTrainedModel):
             draft = DraftModel(speculative, vocab_size=self.vocab_size, block_size=block_size)
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1), source=draft)
         elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
-        self._executor = StepExecutor(model, pack_steps, speculator)
+        self._roles = StepRoles(model, pack_steps, speculator)
+        self._scheduler = Scheduler(
+            model, running_cache, self._inbox, self._roles,
+            max_running=as_count("max_running", max_running or DEFAULT_MAX_RUNNING, 1),
+            max_step_tokens=as_count("max_step_tokens", max_step_tokens or DEFAULT_MAX_STEP_TOKENS, 1),
+            reserve_new_tokens=reserve_new_tokens,
+        )
+        self._executor = StepExecutor(model)
         # blocks freed by any cache on the pool wake a loop that waits for room (held weakly by the pool)
         self._listeners = [blocks.add_free_listener(self._inbox.wake) for blocks in self.pool.groups]
         self._ids = itertools.count()
@@ -227,7 +230,7 @@ class ContinuousBatcher:
             preemptions=counts.preemptions, prefill_retries=counts.prefill_retries,
             packed_steps=self._executor.packed_steps,
             prefix_hit_tokens=counts.prefix_hit_tokens, groups=tuple(groups), steps=self._executor.times,
-            speculation=self._executor.speculator.stats if self._executor.speculator else SpeculationStats(),
+            speculation=self._roles.speculator.stats if self._roles.speculator else SpeculationStats(),
         )
 
     def close(self, timeout: float = 0.0) -> None:
@@ -276,7 +279,7 @@ class ContinuousBatcher:
     @property
     def pack_steps(self) -> bool:
         """Whether steps are packed (turned off by itself for a model that cannot pack)."""
-        return self._executor.pack_steps
+        return self._roles.pack_steps
 
     @property
     def packed_steps(self) -> int:
@@ -302,6 +305,7 @@ def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners
             plan = scheduler.plan()
             if plan is None:
                 executor.idle()
+                scheduler.roles.release()
                 inbox.wait(seen)  # until a submission, a cancellation, freed blocks or closing
                 continue
             try:
@@ -312,6 +316,7 @@ def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners
                 scheduler.fail_in_flight(error)
     finally:
         executor.idle()
+        scheduler.roles.release()
         _shut_down(scheduler, listeners)
 
 

@@ -7,7 +7,9 @@ sampled request gives the same tokens whatever else runs beside it.
 
 Picking a token (`Request.pick`) changes nothing but the generator, and puts that back when it raises: the
 token joins the request (`Request.accept`) only once the step that computed it is kept for every request.
-A plain greedy request (no processors, no log-probabilities, stopped only by its length or an EOS id:
+A logits processor that is a `Constraint` (a structured output's grammar, `engine.constraints`) is asked for
+its mask first, through that interface, and kept in step with the tokens each step keeps (`follow`).
+A plain greedy request (no processors or constraints, no log-probabilities, stopped only by its length or an EOS id:
 `GreedyStops`) needs none of that machinery: the batcher takes the first maximum of many such rows' logits at
 once and asks the request only whether that token stops it (`Request.greedy_choice`).
 
@@ -32,8 +34,11 @@ from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaL
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ..errors import RequestCancelled
+from .constraints import Constraint
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .validation import REQUEST_ARGUMENTS, check_request, flat_token_ids, generation_config_for
+
+_BIAS = torch.tensor([-torch.inf, 0.0])  # added to a score: banned (mask False), allowed (mask True)
 
 
 class RequestHandle:
@@ -238,9 +243,10 @@ class Request:
             prefix_allowed_tokens_fn=extras.get("prefix_allowed_tokens_fn"),
             logits_processor=extras.get("logits_processor") or LogitsProcessorList(),
         )
-        # a processor that bans tokens outright (a grammar's mask) goes before sampling's filters, which could
-        # otherwise keep only tokens it bans
-        self.processors.sort(key=lambda processor: not getattr(processor, "runs_first", False))
+        # a constraint (a grammar's mask) is asked for its mask before sampling's filters, which could otherwise
+        # keep only tokens it bans; the other processors run after it, in their order
+        self.constraints: list[Constraint] = [p for p in self.processors if isinstance(p, Constraint)]
+        self.processors = LogitsProcessorList(p for p in self.processors if not isinstance(p, Constraint))
         # LogitsProcessorList reads each processor's signature at every call (tens of microseconds a token):
         # processors that take (input_ids, scores) alone are called directly
         self._direct = all(len(inspect.signature(p.__call__).parameters) <= 2 for p in self.processors)
@@ -248,7 +254,8 @@ class Request:
             generation_config=config, stopping_criteria=extras.get("stopping_criteria") or StoppingCriteriaList(),
             tokenizer=tokenizer,
         )
-        self.greedy = greedy_stops(config, self.processors, self.criteria, self.logprobs)  # None: not plain greedy
+        plain = not self.constraints
+        self.greedy = greedy_stops(config, self.processors, self.criteria, self.logprobs) if plain else None
         self.generator = torch.Generator(device=model.device)
         if extras.get("seed") is not None:
             self.generator.manual_seed(extras["seed"])
@@ -310,6 +317,10 @@ class Request:
             tokens = [*self.tokens, *after]
             ids = torch.tensor([tokens], device=logits.device)  # [1, n]
             scores = logits.unsqueeze(0).float()  # [1, V]
+            generated = [*self.generated, *after]
+            for constraint in self.constraints:
+                allowed = constraint.mask(generated, scores.shape[-1]).to(scores.device)  # [V]
+                scores = scores + _BIAS.to(scores.device, scores.dtype)[allowed.int()]  # -inf banned, 0 allowed
             if self._direct:
                 for processor in self.processors:
                     scores = processor(ids, scores)

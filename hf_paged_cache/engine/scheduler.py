@@ -10,8 +10,10 @@ chunks), then decode (`running`: one row each of the running cache, in order). E
    has cached, and a request whose prompt starts with full blocks a prefilling request has still to compute
    waits for them (behind it, the requests that share nothing are admitted) rather than computing them twice;
 2. **plan** a decode row for every running request and the prompt chunks of the prefilling ones, oldest
-   first, `max_step_tokens` prompt tokens in all (`plan`), which the executor runs;
-3. **apply** what the step kept (`apply`): each picked token joins its request; a request whose prompt is
+   first, `max_step_tokens` prompt tokens in all (`plan`); `StepRoles` gives each row the rest of its role
+   (packed or apart, drafts, constraints: `engine.roles`), and the executor runs the plan as it says;
+3. **apply** what the step kept (`apply`): the roles learn from it, each picked token joins its request (and
+   its constraints follow it); a request whose prompt is
    done joins the running batch by block table (no key or value is copied); a finished request leaves at
    once and its blocks go back (full ones stay findable by prefix); a failed one fails alone.
 
@@ -49,7 +51,9 @@ from .admission_rules import blocks_needed, fills_a_group, fits_with_headroom, n
 from .inbox import Inbox
 from .outcomes import Counts, Outcomes
 from .request import Request
-from .steps import Chunk, StepPlan, StepResult
+from .plan import Chunk, StepPlan
+from .roles import StepRoles
+from .step_result import StepResult
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Scheduler:
         model: PreTrainedModel,
         running_cache: PagedCache,
         inbox: Inbox,
+        roles: StepRoles,
         *,
         max_running: int,
         max_step_tokens: int,
@@ -79,6 +84,7 @@ class Scheduler:
         self.running_cache = running_cache  # one row per running request (manual_commit: the executor commits)
         self.pool = running_cache.pool
         self.inbox = inbox
+        self.roles = roles  # the rest of each step's plan: packing, drafts, constraints
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
         self.reserve_new_tokens = reserve_new_tokens
@@ -133,10 +139,11 @@ class Scheduler:
             tokens = prefill.request.tokens[prefill.done : prefill.done + budget]
             chunks.append(Chunk(prefill.request, prefill.cache, prefill.done, tokens))
             budget -= len(tokens)
-        return StepPlan(list(self.running), self.running_cache, chunks)
+        return self.roles.plan(list(self.running), self.running_cache, chunks)
 
     def apply(self, plan: StepPlan, result: StepResult) -> None:
         """Let each request of `plan` take what the step kept for it (see `StepResult`)."""
+        self.roles.learn(plan, result)
         leaving = []
         for row, request in enumerate(plan.running):
             if request in result.failures:
@@ -154,6 +161,8 @@ class Scheduler:
             self._apply_chunk(chunk, result)
         if result.decode_exhausted is not None:
             self._make_room(result.decode_exhausted)
+        for row in plan.constrained:  # forward by the tokens kept, back past drafts the step did not keep
+            row.constraint.follow(row.request.generated)
         self._publish()
 
     def _apply_chunk(self, chunk: Chunk, result: StepResult) -> None:

@@ -21,7 +21,9 @@ from ..errors import PoolExhaustedError
 from .request import Choice, Request
 from ..speculative.speculator import Drafts
 from ..speculative.verification import kept_picks
-from .steps import StepResult
+from .logprobs import token_logprobs
+from .plan import Chunk
+from .step_result import StepResult
 
 T = TypeVar("T")
 ATTEMPTS = 2  # tries of each forward and token choice before a failure is taken to be the request's own
@@ -63,6 +65,21 @@ def choose(request: Request, logits: torch.Tensor, result: StepResult) -> None:
         result.choices[request] = attempts(lambda: request.pick(logits))
     except Exception as error:  # noqa: BLE001 (its own settings or processors: it fails alone)
         result.failures[request] = error
+
+
+def choose_for_chunk(chunk: Chunk, logits: torch.Tensor, result: StepResult) -> None:
+    """What a computed chunk gives, from its logits ``[r, V]`` at `logit_offsets`: its prompt's
+    log-probabilities when asked for, then the first token of each choice of the prompt when it finishes."""
+    request = chunk.request
+    if request.needs_prompt_logprobs:
+        first, targets = request.prompt_targets(chunk.start, len(chunk.tokens))
+        computed = token_logprobs(logits[: len(targets)], targets, request.prompt_logprobs_k)
+        result.prompt_logprobs[request] = (first, computed)
+    if chunk.finishes:
+        for member in request.group:  # the choices of one prompt pick from the same logits
+            choose(member, logits[-1], result)
+    else:
+        result.kept.add(request)
 
 
 def verify_rows(requests: list[Request], logits: torch.Tensor, drafts: Drafts) -> list[list[Choice]]:

@@ -77,6 +77,7 @@ class DraftModel:
             probe.release()
         self._rows: dict[DraftRow, _Row] = {}
 
+    @torch.no_grad()
     def propose(self, requests: Sequence[DraftRow], limits: Sequence[int]) -> list[list[int]]:
         """`limits[b]` greedy tokens of the draft after ``requests[b]``'s tokens (none where the pool runs out:
         every draft cache is then given back, and fed again from the start at its next proposal)."""

@@ -14,15 +14,28 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import llguidance
 import llguidance.numpy
-
-from .processor import GrammarLogitsProcessor
+import numpy
 
 logger = logging.getLogger(__name__)
+
+
+class GrammarLogitsProcessor(Protocol):
+    """What the prefetch uses of `hf_paged_cache.structured.processor.GrammarLogitsProcessor` (which names this
+    class as its `mask_filler`, so this module does not import it)."""
+
+    grammar: Any  # a `CompiledGrammar`: its tokenizer's vocabulary size is the mask's width
+    lock: threading.Lock
+
+    def _matcher_for(self, tokens: Sequence[int]) -> Any: ...
+
+    def prefetched(self, tokens: Sequence[int], words: numpy.ndarray) -> None: ...
 
 
 class MaskPrefetch:

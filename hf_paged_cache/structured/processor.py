@@ -16,11 +16,14 @@ unpacked by numpy index a two-entry table of biases (-inf, 0) added to the score
 49,152-token row where a masked fill takes 250 us.
 
 The mask must come before sampling's filters (top-k, top-p, min-p), or they may leave nothing the grammar
-allows: the batcher's requests put every processor with ``runs_first`` ahead of them.
+allows: in ``generate`` the processor says so with ``runs_first``; the engine asks for the mask itself first.
 
-The batcher fills the masks its step will ask for ahead of time, while the forward runs (`MaskPrefetch`,
-`hf_paged_cache.structured.mask_prefetch`): `prefetched` stores one, which the call for the same tokens takes
-instead of filling it again. A processor's lock (`lock`) makes that safe: whoever holds it owns its matchers.
+To the engine the processor is a `Constraint` (`hf_paged_cache.engine.constraints`, matched by shape: this
+module imports nothing of the engine): `mask` for a row's tokens, `follow` to the tokens a step kept,
+`is_complete`, and `mask_filler`: the batcher fills the masks its step will ask for ahead of time, while the
+forward runs (`MaskPrefetch`, `hf_paged_cache.structured.mask_prefetch`): `prefetched` stores one, which the call
+for the same tokens takes instead of filling it again. A processor's lock (`lock`) makes that safe: whoever
+holds it owns its matchers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from .grammars import CompiledGrammar
+from .mask_prefetch import MaskPrefetch
 
 _BIAS = torch.tensor([-torch.inf, 0.0])  # added to a score: banned (bit 0), allowed (bit 1)
 MAX_MATCHERS = 64  # matchers kept per processor: the rows (or choices) it serves, and spares
@@ -74,7 +78,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
         on_mask: called with the seconds each mask took (metrics), if given.
     """
 
-    runs_first = True  # before temperature, top-k, top-p and min-p (`Request` orders its processors so)
+    runs_first = True  # before temperature, top-k, top-p and min-p (in `generate`; the engine masks first)
+    mask_filler = MaskPrefetch  # fills many rows' masks at once, while a step's forward runs (the engine's)
 
     def __init__(self, grammar: CompiledGrammar, prompt_length: int | None = None,
                  on_mask: Callable[[float], None] | None = None):
@@ -90,26 +95,41 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """`scores` ``[B, V]`` with the tokens each row's grammar bans at -inf, as a new tensor (the caller's
         logits stay as they were: log-probabilities and the other choices of a prompt read them)."""
-        start = time.perf_counter()
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]
-        width = self.grammar.tokenizer.vocab_size
-        bias = torch.full_like(scores, -torch.inf)  # [B, V]: ids past the tokenizer are never text
+        rows = input_ids[:, self.prompt_length:].tolist()
+        allowed = torch.stack([self.mask(ids, scores.shape[-1]) for ids in rows]).to(scores.device)  # [B, V]
+        bias = _BIAS.to(scores.device, scores.dtype)[allowed.int()]  # [B, V]: -inf banned, 0 allowed
+        return scores + bias
+
+    def mask(self, generated: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """``[vocab_size]`` bool: the tokens the grammar allows after `generated` (none once they left it; ids
+        past the tokenizer's are never text). Takes the mask `prefetched` for these tokens when there is one."""
+        start = time.perf_counter()
+        width = min(self.grammar.tokenizer.vocab_size, vocab_size)
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)
         with self.lock:
-            for row, ids in enumerate(input_ids[:, self.prompt_length:].tolist()):
-                words = self._prefetched.pop(tuple(ids), None)  # [W / 32], filled while the forward ran
-                if words is None:
-                    matcher = self._matcher_for(ids)
-                    if matcher is None:
-                        continue  # its tokens left the grammar: nothing can follow (the caller fails it)
+            words = self._prefetched.pop(tuple(generated), None)  # [W / 32], filled while the forward ran
+            if words is None:
+                matcher = self._matcher_for(generated)
+                if matcher is not None:
                     llguidance.numpy.fill_next_token_bitmask(matcher.engine, self._bitmask, 0)
                     words = self._bitmask[0]
-                bits = numpy.unpackbits(words.view(numpy.uint8), bitorder="little")[:width]
-                allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.int32)  # [width]: 1 allowed
-                bias[row, :width] = _BIAS.to(scores.device, scores.dtype).index_select(0, allowed)  # -inf or 0
+            if words is not None:
+                bits = numpy.unpackbits(words.view(numpy.uint8), bitorder="little")[:width]  # [width]: 1 allowed
+                allowed[:width] = torch.from_numpy(bits.astype(bool))
         if self.on_mask is not None:
             self.on_mask(time.perf_counter() - start)
-        return scores + bias
+        return allowed
+
+    def follow(self, generated: Sequence[int]) -> bool:
+        """Bring a matcher to exactly `generated` (the tokens a step kept: drafts it did not keep are rolled
+        back); False when they leave the grammar."""
+        return self.matcher_for(generated) is not None
+
+    def is_complete(self, generated: Sequence[int]) -> bool:
+        """Whether the grammar is complete after `generated` and nothing may follow them."""
+        return self.finished(generated)
 
     def prefetched(self, tokens: Sequence[int], words: numpy.ndarray) -> None:
         """Keep `words` ``[W / 32]``, the mask after the generated `tokens`, for the call that asks for it (the

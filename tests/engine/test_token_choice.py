@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 from hf_paged_cache import ContinuousBatcher
 from hf_paged_cache.engine.request import Request
-from hf_paged_cache.engine.steps import StepResult
+from hf_paged_cache.engine.step_result import StepResult
 from hf_paged_cache.engine.token_choice import choose_rows
 
 

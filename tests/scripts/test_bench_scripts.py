@@ -341,9 +341,9 @@ def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_time
 
     from hf_paged_cache.attention.paged_sdpa import ATTENTION_NAME, paged_sdpa_attention
     from hf_paged_cache.kernels.packed_linear import PackedLinear
-    from hf_paged_cache.engine import executor
+    from hf_paged_cache.engine import forwards
 
-    forward, packed_forward = PackedLinear.forward, executor.packed_forward
+    forward, packed_forward = PackedLinear.forward, forwards.packed_forward
     args = ["--model", tiny_dir, "--num-requests", "6", "--concurrency", "3", "--max-prompt", "40", "--max-new", "8",
             "--output-scale", "1", "--repeats", "1", "--steps", kind]
     result = run_script("profile_steps", args, results_dir / f"profile_steps_{kind}.json")
@@ -358,7 +358,7 @@ def test_profile_steps_times_the_parts_of_a_kind_of_step_and_uninstalls_its_time
     assert parts["gather"]["share"] + parts["sdpa"]["share"] <= parts["attention"]["share"]  # nested parts
     assert parts["writes"]["share"] <= parts["cache update"]["share"]
     assert sum(parts[p]["share"] for p in ("linear", "attention", "cache update", "other")) == pytest.approx(1.0)
-    assert PackedLinear.forward is forward and executor.packed_forward is packed_forward  # the timers are gone
+    assert PackedLinear.forward is forward and forwards.packed_forward is packed_forward  # the timers are gone
     assert ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] is paged_sdpa_attention
 
 

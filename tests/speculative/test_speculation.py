@@ -74,14 +74,14 @@ def test_greedy_tokens_are_those_of_plain_decoding(arch):
 def test_drafts_ride_in_steps_with_prompt_chunks(arch, monkeypatch):
     """Decode rows carry their drafts in packed steps too (with other requests' prompt chunks): same tokens."""
     verified_packed = []
-    run_packed = StepExecutor._run_packed
+    execute = StepExecutor.run
 
-    def spy(self, plan, result, drafts=None):
-        kept = run_packed(self, plan, result, drafts)
-        verified_packed.append(bool(kept))
-        return kept
+    def spy(self, plan):
+        result = execute(self, plan)
+        verified_packed.append(plan.packed and plan.drafts is not None and not result.drafts_dropped)
+        return result
 
-    monkeypatch.setattr(StepExecutor, "_run_packed", spy)
+    monkeypatch.setattr(StepExecutor, "run", spy)
     model = tiny_model(arch)
     prompts = looping_prompts(6, seed=11)
     settings = [dict(max_new_tokens=n, do_sample=False) for n in (30, 20, 25, 12, 28, 16)]

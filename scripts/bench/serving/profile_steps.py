@@ -65,7 +65,7 @@ from hf_paged_cache.cache.paged_cache import PagedCache
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.kernels.packed_linear import PackedLinear
 from hf_paged_cache.pool.kv_format import StoredStates
-from hf_paged_cache.engine import executor
+from hf_paged_cache.engine import forwards
 from hf_paged_cache.heap import pad_heap
 
 PARTS = ("linear", "attention", "gather", "sdpa", "cache update", "writes", "other")
@@ -119,15 +119,15 @@ def installed(timers: StepTimers, kind: str, attention: str) -> Iterator[None]:
     `attention` among them), for the duration of the block."""
     with ExitStack() as stack:
         patch = stack.enter_context
-        step_executor = executor.StepExecutor
+        step_forwards = forwards.StepForwards
         if kind == "decode":  # (self, cache, requests): one token a request
-            patch(mock.patch.object(step_executor, "_decode_forward",
-                                    timers.step(step_executor._decode_forward, lambda args: len(args[2]))))
+            patch(mock.patch.object(step_forwards, "decode",
+                                    timers.step(step_forwards.decode, lambda args: len(args[2]))))
         else:  # a packed forward (model, segments, logits_at), or a chunk alone (self, chunk)
-            patch(mock.patch.object(executor, "packed_forward", timers.step(
-                executor.packed_forward, lambda args: sum(segment.input_ids.numel() for segment in args[1]))))
-            patch(mock.patch.object(step_executor, "_chunk_forward",
-                                    timers.step(step_executor._chunk_forward, lambda args: len(args[1].tokens))))
+            patch(mock.patch.object(forwards, "packed_forward", timers.step(
+                forwards.packed_forward, lambda args: sum(segment.input_ids.numel() for segment in args[1]))))
+            patch(mock.patch.object(step_forwards, "chunk",
+                                    timers.step(step_forwards.chunk, lambda args: len(args[1].tokens))))
         patch(mock.patch.object(PackedLinear, "forward", timers.timed("linear", PackedLinear.forward)))
         patch(mock.patch.object(decode, "_gather_row_major", timers.timed("gather", decode._gather_row_major)))
         patch(mock.patch.object(StoredStates, "gather", timers.timed("gather", StoredStates.gather)))

@@ -1,43 +1,13 @@
-"""What passes between the batcher's scheduler and its executor: the plan of one step, and what came of it."""
+"""What came of one step (`StepResult`), request by request, and the steps a batcher ran (`StepTimes`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from .logprobs import TokenLogprob
+from .plan import StepPlan
 from .request import Choice, Request
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """`tokens` of a request's prompt (prompt and tokens so far, after a preemption) from index `start`."""
-
-    request: Request
-    cache: PagedCache  # the request's own cache, holding its first `start` tokens
-    start: int
-    tokens: list[int]
-
-    @property
-    def finishes(self) -> bool:
-        """Whether this chunk completes the prompt (the step then picks the request's next token)."""
-        return self.start + len(self.tokens) == len(self.request.tokens)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step: a decode row for every running request, and the prompt chunks the token budget allows."""
-
-    running: list[Request]  # in the order of the running cache's rows
-    running_cache: PagedCache
-    chunks: list[Chunk]
-
-    @property
-    def choosing(self) -> list[Request]:
-        """The requests that pick a token in this step: every running one, and each choice of a prompt whose
-        last chunk this step computes."""
-        return [*self.running, *(member for chunk in self.chunks if chunk.finishes for member in chunk.request.group)]
 
 
 @dataclass
@@ -54,6 +24,9 @@ class StepResult:
     failures: dict[Request, BaseException] = field(default_factory=dict)  # requests that fail, each alone
     exhausted: dict[Request, PoolExhaustedError] = field(default_factory=dict)  # chunks that found no blocks
     decode_exhausted: PoolExhaustedError | None = None  # the decode rows found no blocks (none ran)
+    drafts_dropped: bool = False  # the plan's drafts were dropped (the step ran again without them)
+    packing_unsupported: bool = False  # the model cannot run a packed forward (the step ran apart)
+    seconds: float = 0.0  # wall time of the step: forwards, token choice and commit
 
 
 @dataclass(frozen=True)
@@ -74,7 +47,7 @@ class StepTimes:
         if plan.chunks:
             return replace(
                 self, prompt_steps=self.prompt_steps + 1, prompt_seconds=self.prompt_seconds + seconds,
-                prompt_tokens=self.prompt_tokens + sum(len(chunk.tokens) for chunk in plan.chunks),
+                prompt_tokens=self.prompt_tokens + plan.prompt_tokens,
             )
         return replace(
             self, decode_steps=self.decode_steps + 1, decode_seconds=self.decode_seconds + seconds,
