@@ -7,7 +7,14 @@
 - `timing`: wall / CPU timers, per-step stamps inside ``generate``, time to first token, a fresh thread per run;
 - `variants`: the caches the scripts compare and the attention each runs with;
 - `report`: shared command-line options, model loading, JSON and markdown output;
-- `narrow`: a model's architecture with its widths cut, to time a step's fixed cost.
+- `narrow`: a model's architecture with its widths cut, to time a step's fixed cost;
+- `server_process`: a benchmarked server in a process of its own (free port, wait for ``/health``, stop its group);
+- the parts of ``scripts/bench/serving/bench_http.py``: `http_contenders` (the contenders, each server's command
+  and environment), `http_jobs` (the workloads' requests, the KV budget they need), `http_load` (request bodies,
+  the streaming client, closed loops over HTTP or into a batcher), `http_rounds` (one round of a contender,
+  counters read around it) and `http_report` (per-round metrics, medians, pair comparisons, the printed table).
+  These and `server_process` need ``httpx``: import them by path (``hf_paged_cache.bench.http_load``), as
+  `grounded`; this package does not re-export them.
 
 Nothing in the core package imports this subpackage.
 """

@@ -28,6 +28,9 @@ if importlib.util.find_spec("hf_paged_cache.serve") is None:
 from script_loading import load_script  # noqa: E402
 
 from hf_paged_cache.bench import kv_bytes_per_token  # noqa: E402
+from hf_paged_cache.bench.http_contenders import running_server  # noqa: E402
+from hf_paged_cache.bench.http_load import request_body  # noqa: E402
+from hf_paged_cache.bench.http_report import schema_valid  # noqa: E402
 
 
 
@@ -94,7 +97,7 @@ def test_server_that_cannot_start_is_reported_and_gone(tmp_path: Path) -> None:
     settings = bench.ServerSettings(str(tmp_path / "no-model-here"), budget=2**20, cb_num_blocks=1, cb_page_size=None,
                                     threads=1, start_timeout=120)
     with pytest.raises(RuntimeError, match="exited with code"):
-        with bench.running_server("ours", settings, tmp_path):
+        with running_server("ours", settings, tmp_path):
             pass
     assert psutil.Process().children(recursive=True) == []
 
@@ -126,7 +129,7 @@ def test_preloaded_contenders_run_theirs_with_the_library_preloaded(tmp_path: Pa
     assert "LD_PRELOAD" not in settings.own_env("ours")
     assert settings.own_env("ours-preloaded") == {"LD_PRELOAD": f"{library} libjemalloc.so"}
     assert settings.own_env("vllm-preloaded") == settings.own_env("vllm") | {"LD_PRELOAD": f"{library} libjemalloc.so"}
-    assert script.request_body("vllm-preloaded", script.Job("x", [1], 2))["ignore_eos"]
+    assert request_body("vllm-preloaded", script.Job("x", [1], 2))["ignore_eos"]
 
 
 def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
@@ -144,7 +147,7 @@ def test_ray_mode_compares_routers_on_shared_system_prompts() -> None:
                                                      "--replica-threads", "1", "--router", "pow2", "--speculative",
                                                      "off"]
     assert settings.command("ray-single", 1)[-10:-8] == ["--replicas", "1"]
-    assert script.request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
+    assert request_body("ray-prefix", jobs[0])["ignore_eos"]  # every answer as long as asked
 
 
 def test_json_contenders_send_the_schema_the_others_do_not() -> None:
@@ -158,13 +161,13 @@ def test_json_contenders_send_the_schema_the_others_do_not() -> None:
     settings = script.ServerSettings("m", 1 << 20, 1, None, threads=2, start_timeout=1.0)
     assert settings.command("ours-json", 1) == settings.command("ours", 1)
     assert settings.command("vllm-json", 1) == settings.command("vllm", 1) and script.is_vllm("vllm-json")
-    held, free = script.request_body("ours-json", jobs[0]), script.request_body("ours", jobs[0])
+    held, free = request_body("ours-json", jobs[0]), request_body("ours", jobs[0])
     assert held["response_format"]["json_schema"]["strict"] and "response_format" not in free
     assert {k: v for k, v in held.items() if k != "response_format"} == free
     person = {"name": "Ka", "age": 40, "city": "Lo", "job": "farmer", "hobbies": ["a", "b", "c"]}
-    assert script.schema_valid(json.dumps(person), jobs[0])
-    assert not script.schema_valid(json.dumps(person | {"age": 200}), jobs[0])
-    assert not script.schema_valid('{"name": "Ka"', jobs[0])
+    assert schema_valid(json.dumps(person), jobs[0])
+    assert not schema_valid(json.dumps(person | {"age": 200}), jobs[0])
+    assert not schema_valid('{"name": "Ka"', jobs[0])
 
 
 def test_prefix_hit_ceiling_counts_each_shared_block_once() -> None:

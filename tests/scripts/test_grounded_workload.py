@@ -22,6 +22,9 @@ from hf_paged_cache.bench.grounded import (
     rename,
     sentences,
 )
+from hf_paged_cache.bench.http_load import Stream, chunk_text, endpoint, request_body
+from hf_paged_cache.bench.http_report import acceptance, generated_tokens
+from hf_paged_cache.bench.http_rounds import SPEC_COUNTER
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +146,16 @@ def test_bench_http_grounded_jobs_are_chats_that_stop_at_eos(bench, char_tokeniz
 def test_bench_http_sends_grounded_jobs_as_streamed_chats(bench, char_tokenizer) -> None:
     (job,) = bench.make_grounded_jobs(char_tokenizer, count=1, seed=0)
     for contender in ("ours", "ours-spec", "vllm", "vllm-spec"):
-        body = bench.request_body(contender, job)
-        assert bench.endpoint(body) == "/v1/chat/completions" and "prompt" not in body
+        body = request_body(contender, job)
+        assert endpoint(body) == "/v1/chat/completions" and "prompt" not in body
         assert body["messages"] == [dict(m) for m in job.messages] and body["temperature"] == 0
         assert "ignore_eos" not in body and body["stream_options"] == {"include_usage": True}
-    config = json.loads(bench.request_body("transformers", job)["generation_config"])
+    config = json.loads(request_body("transformers", job)["generation_config"])
     assert config == {"do_sample": False}  # its EOS kept
-    standard = bench.request_body("ours-spec", bench.Job("x", [1], 2))
-    assert bench.endpoint(standard) == "/v1/completions" and standard["ignore_eos"]
-    assert bench.chunk_text({"delta": {"content": "ab"}}) == "ab" and bench.chunk_text({"delta": {}}) == ""
-    assert bench.chunk_text({"text": "cd"}) == "cd"
+    standard = request_body("ours-spec", bench.Job("x", [1], 2))
+    assert endpoint(standard) == "/v1/completions" and standard["ignore_eos"]
+    assert chunk_text({"delta": {"content": "ab"}}) == "ab" and chunk_text({"delta": {}}) == ""
+    assert chunk_text({"text": "cd"}) == "cd"
 
 
 def test_bench_http_speculative_contenders(bench, tmp_path) -> None:
@@ -186,17 +189,17 @@ def test_bench_http_reads_draft_counters(bench) -> None:
         "vllm:spec_decode_num_drafts_total 10.0",
     ])
     counters: dict[str, float] = {}
-    for name, value in bench.SPEC_COUNTER.findall(metrics):
+    for name, value in SPEC_COUNTER.findall(metrics):
         counters[name] = counters.get(name, 0.0) + float(value)
     assert counters == {"vllm:spec_decode_num_draft_tokens_total": 40.0,
                         "vllm:spec_decode_num_accepted_tokens_total": 30.0}
-    assert bench.acceptance(counters) == {"draft_tokens": 40.0, "accepted_tokens": 30.0, "acceptance": 0.75}
-    assert bench.acceptance(None) is None
+    assert acceptance(counters) == {"draft_tokens": 40.0, "accepted_tokens": 30.0, "acceptance": 0.75}
+    assert acceptance(None) is None
 
 
 def test_bench_http_counts_generated_tokens(bench) -> None:
-    stream = bench.Stream(0.0, [1.0, 2.0, 3.0], "abc", None, None, 3.5, "stop")
-    assert bench.generated_tokens(stream, bench.Job("x", [1], 10, ignore_eos=False)) == 3  # the chunks
-    assert bench.generated_tokens(stream, bench.Job("x", [1], 10)) == 10  # EOS ignored: as asked
-    with_usage = bench.Stream(0.0, [1.0], "abc", 7, 1, 1.0, "stop")
-    assert bench.generated_tokens(with_usage, bench.Job("x", [1], 10, ignore_eos=False)) == 7
+    stream = Stream(0.0, [1.0, 2.0, 3.0], "abc", None, None, 3.5, "stop")
+    assert generated_tokens(stream, bench.Job("x", [1], 10, ignore_eos=False)) == 3  # the chunks
+    assert generated_tokens(stream, bench.Job("x", [1], 10)) == 10  # EOS ignored: as asked
+    with_usage = Stream(0.0, [1.0], "abc", 7, 1, 1.0, "stop")
+    assert generated_tokens(with_usage, bench.Job("x", [1], 10, ignore_eos=False)) == 7
