@@ -337,7 +337,9 @@ class Request:
                 token = int(scores.argmax(dim=-1))
             full = torch.cat([ids, ids.new_tensor([[token]])], dim=1)  # [1, n + 1]
             logprob = None if self.logprobs is None else token_logprobs(logits.unsqueeze(0), [token], self.logprobs)[0]
-            return Choice(token, bool(self.criteria(full, scores).any()), logprob)
+            finished = bool(self.criteria(full, scores).any())
+            finished = finished or any(c.is_complete([*generated, token]) for c in self.constraints)
+            return Choice(token, finished, logprob)
         except BaseException:
             if state is not None:
                 self.generator.set_state(state)

@@ -220,7 +220,7 @@ def check_step(batcher, nan_blocks: NaNBlocks) -> None:
     """The invariants at a step boundary (run on the loop thread, after each step is applied)."""
     scheduler = batcher._scheduler
     caches = [scheduler.running_cache, *(p.cache for p in scheduler.prefilling)]
-    assert all(cache.steps.step is None for cache in caches), "a cache holds a pending step between steps"
+    assert all(cache.lifecycle.forward is None for cache in caches), "a cache holds a pending forward between steps"
     assert scheduler.running_cache.batch.batch_size == len(scheduler.running), "running rows out of step"
     for group, blocks in enumerate(batcher.pool.groups):
         held = collections.Counter(
@@ -251,6 +251,7 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
             spec.prompt.insert(rng.randrange(len(spec.prompt) + 1), bad)
     outcomes: dict[int, tuple] = {}
     steps = [0]
+    last_plans: collections.deque[str] = collections.deque(maxlen=3)  # the latest steps as planned, shown when an outcome is wrong
     with ContinuousBatcher(model, **batcher_kwargs) as batcher:
         with torch.no_grad():  # create every layer's storage, then fill it with NaN
             model(input_ids=torch.tensor([[5]]), cache=batcher.running_cache)
@@ -269,7 +270,11 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
         def checked_apply(plan, result):
             apply(plan, result)
             steps[0] += 1
-            check_step(batcher, nan_blocks)
+            last_plans.append(repr(plan))
+            try:
+                check_step(batcher, nan_blocks)
+            except AssertionError as error:  # the step that broke an invariant, printed as planned
+                raise AssertionError(f"{error}\nafter step {steps[0]}:\n{plan!r}") from error
 
         batcher._scheduler.apply = checked_apply
         done = threading.Event()
@@ -319,7 +324,10 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
     assert all(blocks.num_used == 0 for blocks in batcher.pool.groups), "blocks leaked"
     check_prefix_index(batcher, nan_blocks)
     for index, spec in enumerate(specs):
-        check_outcomes(spec, outcomes[index])
+        try:
+            check_outcomes(spec, outcomes[index])
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nthe case's last steps:\n" + "\n".join(last_plans)) from error
     speculation = batcher.stats().speculation
     # a case whose decode steps never find a draft speculates nowhere (seen once in 36 speculative cases): its
     # output is still checked; tests/speculative/test_speculation.py asserts that drafts are proposed and kept

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from hf_paged_cache.engine import heap
+from hf_paged_cache import heap
 from hf_paged_cache.heap import MAX_HEAP_PAD, _glibc_mallopt, pad_heap
 
 needs_glibc = pytest.mark.skipif(_glibc_mallopt() is None, reason="the C library is not glibc")

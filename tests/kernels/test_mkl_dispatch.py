@@ -64,7 +64,7 @@ def test_the_server_warns_when_mkl_skips_its_fast_kernels(monkeypatch, caplog, f
     from tiny_models import tiny_model
 
     from hf_paged_cache import kernels
-    from hf_paged_cache.engine import launch
+    from hf_paged_cache.server import launch
 
     model = tiny_model("llama")
     monkeypatch.setattr(kernels, "mkl_takes_fast_path", lambda: fast)
