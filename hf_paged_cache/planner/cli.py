@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m hf_paged_cache.plan",
+        prog="python -m hf_paged_cache.planner",
         description="Plan KV-cache memory from a model's config (no weights are downloaded): KV bytes per token "
         "and block, weight bytes, and how many sequences fit beside the weights with DynamicCache, StaticCache "
         "and PagedCache.")

@@ -129,7 +129,7 @@ def build_plan_tab(model: PreTrainedModel, model_name: str, *, concurrency: int)
     with gr.Tab("Plan", elem_id="tab-plan"):
         gr.Markdown("Plan KV memory from a model's config alone, before loading anything: bytes per token "
                     "and per block, and how many sequences of this shape fit beside the weights with "
-                    "`DynamicCache`, `StaticCache` and `PagedCache` (`python -m hf_paged_cache.plan`).")
+                    "`DynamicCache`, `StaticCache` and `PagedCache` (`python -m hf_paged_cache.planner`).")
         with gr.Row():
             with gr.Column():
                 hub_id = gr.Textbox(label="Hub model id (empty: this demo's model)",

@@ -295,7 +295,7 @@ def _one_line_error(stderr: str) -> str:
     """The message of an argparse-style one-line error; fails the test on anything else (a traceback, usage)."""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert lines[0].startswith("python -m hf_paged_cache.plan: error: "), lines[0]
+    assert lines[0].startswith("python -m hf_paged_cache.planner: error: "), lines[0]
     return lines[0]
 
 
@@ -308,13 +308,12 @@ BAD_INPUT = [  # `python -m hf_paged_cache.planner` as a user runs it: one line 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     """The command-line runs of this module, each its own process, all at once (each imports torch): the bad
-    inputs of `BAD_INPUT` by ``python -m hf_paged_cache.planner`` and ``python -m hf_paged_cache.plan --help``
-    (the old module path). ``{name: (status, stdout, stderr)}``, named by their arguments."""
+    inputs of `BAD_INPUT` and ``--help``, by ``python -m hf_paged_cache.planner``. ``{name: (status, stdout, stderr)}``, named by their arguments."""
     missing = tmp_path_factory.mktemp("cli") / "missing"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     commands = {" ".join(argv): ["hf_paged_cache.planner", *(a.format(missing=missing) for a in argv)]
                 for argv, _ in BAD_INPUT}
-    commands["plan --help"] = ["hf_paged_cache.plan", "--help"]
+    commands["--help"] = ["hf_paged_cache.planner", "--help"]
     runs = {name: subprocess.Popen([sys.executable, "-m", *command], cwd=ROOT, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for name, command in commands.items()}
@@ -393,17 +392,12 @@ def test_help_shows_each_default_once(capsys):
         assert text.count(default) == 1, default
 
 
-def test_the_old_module_paths_still_work_and_warn(monkeypatch, cli_runs):
+def test_the_deprecated_module_paths_are_gone_and_the_planner_answers_help(cli_runs):
+    """`hf_paged_cache.plan` and `hf_paged_cache.config_limits` warned for a release and are removed."""
     import importlib
 
-    import hf_paged_cache.planner as planner
-    import hf_paged_cache.planner.config_limits as config_limits
-
-    for old, new, names in (("hf_paged_cache.plan", planner, ("plan_memory", "format_plan", "main", "WeightEstimate")),
-                            ("hf_paged_cache.config_limits", config_limits, ("load_config", "CONFIG_LIMITS"))):
-        monkeypatch.delitem(sys.modules, old, raising=False)  # imported afresh, so that it warns again
-        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import {new.__name__} instead"):
-            module = importlib.import_module(old)
-        assert all(getattr(module, name) is getattr(new, name) for name in names), old
-    status, out, err = cli_runs["plan --help"]
+    for old in ("hf_paged_cache.plan", "hf_paged_cache.config_limits"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    status, out, err = cli_runs["--help"]
     assert status == 0 and "--max-memory" in out and not err, err
