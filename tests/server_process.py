@@ -1,7 +1,8 @@
 """The server as its tests run it: a real `python -m hf_paged_cache.serve` subprocess on a free port, on a tiny
 random Llama saved with the character tokenizer of `tests/data/char_tokenizer`, plus the references its answers
 are checked against (`generate` with `DynamicCache` on the same token ids, the model's own log-softmax) and a
-reader of its Prometheus metrics.
+reader of its Prometheus metrics. A server's start-up is waited for as long as it advances (`wait_for_start`:
+its log keeps growing), not to a fixed deadline.
 
 The fixtures built on these (`model_dir`, `server`, `reference`) are in `tests/server/conftest.py`.
 """
@@ -15,12 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import pytest
 import torch
 from repo_paths import DATA
 from tiny_models import tiny_model
@@ -33,6 +34,13 @@ MAX_BODY = 64 * 1024
 MAX_N = 4
 SERVER_OPTIONS = ("--num-blocks", "512", "--max-n", str(MAX_N), "--max-body-bytes", str(MAX_BODY))  # `server`'s
 JSON_MAX_SCHEMA_BYTES = 2048  # --max-schema-bytes of the JSON-capable model's server: small, so requests can pass it
+STARTUP_STALL_S = 120.0
+"""How long a starting server may go with no new output in its log before `wait_for_start` fails it as stalled."""
+STARTUP_LIMIT_S = 600.0
+"""The most `wait_for_start` waits for a start-up in all, however steadily it advances."""
+PROBE_ECHO = re.compile(rb"Client for request \S+ disconnected, cancelling request")
+"""The line Ray Serve's proxy logs for each ``/health`` probe that gives up on an application not yet ready: the
+wait's own doing, so never progress."""
 
 
 @dataclass
@@ -106,8 +114,10 @@ def run_servers(commands: list[tuple[Path | str, ...]],
             with open(log, "wb") as out:
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
             started.append(Server(f"http://127.0.0.1:{port}", process, Path(log)))
+        limit = time.monotonic() + STARTUP_LIMIT_S  # one limit for them all: they start side by side
         for server in started:
-            wait_for_health(server.url, server.process, server.log)
+            wait_for_start(server.process, server.log, partial(healthy, server.url),
+                           limit_s=limit - time.monotonic())
         yield started
     finally:
         for server in started:
@@ -127,20 +137,72 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_for_health(url: str, process: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
+class ServerDidNotStart(AssertionError):
+    """A start-up that `wait_for_start` gave up on; `reason` says why: ``"exited"``, ``"stalled"`` or ``"limit"``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers 200 on ``/health`` (within a second)."""
     import httpx
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for_start(process: subprocess.Popen, log: Path, ready: Callable[[], bool], *,
+                   stall_s: float = STARTUP_STALL_S, limit_s: float = STARTUP_LIMIT_S, poll_s: float = 0.2) -> float:
+    """Wait until `ready()` is true of `process`, whose stdout and stderr go to `log`, for as long as its start-up
+    advances, not to a fixed deadline; returns the seconds waited.
+
+    Progress is new output in `log` (a server writes as it loads; Ray Serve's driver relays every line of its
+    controller, proxy and replicas: "Deploying new version of Deployment", "Adding 2 replicas", a replica's
+    own lines): a new complete line other than `PROBE_ECHO`, which a probe of this wait makes Ray write, or a last,
+    unfinished line that grew (a progress bar redrawn in place). Each round, every `poll_s` seconds: the process's
+    exit is checked first, then `ready()`, then the log. `ServerDidNotStart` is raised, its message naming the
+    reason and ending with the log's last lines:
+
+    - ``"exited"``: the process ended, found in the round after it did;
+    - ``"stalled"``: neither ready nor any progress for `stall_s` seconds;
+    - ``"limit"``: not ready after `limit_s` seconds in all, progress or not.
+    """
+    start = time.monotonic()
+    last_progress = start
+    offset = log.stat().st_size  # what the log held before: the stall clock starts now
+    unfinished = b""  # the last line, not yet ended, after `offset` as last read
+    while True:
+        now = time.monotonic()
         if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"the server was not healthy after {timeout} s:\n{log.read_text(errors='replace')}")
+            _did_not_start("exited", f"exited with code {process.returncode} ({now - start:.0f} s into the wait)", log)
+        if ready():
+            return time.monotonic() - start
+        with open(log, "rb") as out:
+            out.seek(offset)
+            head, newline, tail = out.read().rpartition(b"\n")
+        lines = [line for line in (head + newline).splitlines() if line.strip() and not PROBE_ECHO.search(line)]
+        if lines or len(tail) > len(unfinished):
+            last_progress = time.monotonic()
+        offset += len(head) + len(newline)
+        unfinished = tail
+        now = time.monotonic()
+        if now - last_progress >= stall_s:
+            _did_not_start("stalled", f"stalled: no new output in its log for {stall_s:.3g} s, and not ready "
+                                      f"({now - start:.0f} s into the wait)", log)
+        if now - start >= limit_s:
+            _did_not_start("limit", f"was not ready after {limit_s:.3g} s (the start-up limit), though its log "
+                                    f"last advanced {now - last_progress:.0f} s ago", log)
+        time.sleep(poll_s)
+
+
+def _did_not_start(reason: str, what: str, log: Path, lines: int = 80) -> None:
+    __tracebackhide__ = True
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    raise ServerDidNotStart(reason, f"the server {what}; the last {len(tail)} lines of {log}:\n" + "\n".join(tail))
 
 
 def generate_alone(model, ids: list[int], max_new_tokens: int) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_process import KEY, NAME, Server, free_port, run_servers
+from server_process import KEY, NAME, Server, ServerDidNotStart, free_port, healthy, run_servers, wait_for_start
 
 openai = pytest.importorskip("openai")
 
@@ -75,10 +75,10 @@ def servers(model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
     dtype under an AVX2 cap; and ``refused``, a bfloat16 server that no request can run on, which must exit
     (its process and its stderr only)."""
     folder = tmp_path_factory.mktemp("servers")
-    refused_log = folder / "refused.log"
+    refused_log, refused_port = folder / "refused.log", free_port()
     with open(refused_log, "wb") as out:
         refused = subprocess.Popen(
-            [sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(free_port()), "--dtype",
+            [sys.executable, "-m", "hf_paged_cache.serve", str(model_dir), "--port", str(refused_port), "--dtype",
              "bfloat16", "--log-level", "info"], stdout=subprocess.DEVNULL, stderr=out,
             env={**os.environ, "OMP_NUM_THREADS": "1", **_site(folder / "no-bf16-attention", NO_BFLOAT16_ATTENTION)})
     commands, envs = {}, {}
@@ -90,7 +90,8 @@ def servers(model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
         envs[dtype] = {CAPABILITY_ENV: "avx2"}
     try:
         with run_servers(list(commands.values()), list(envs.values())) as running:
-            yield {**dict(zip(commands, running)), "refused": Server("", refused, refused_log)}
+            refused_server = Server(f"http://127.0.0.1:{refused_port}", refused, refused_log)
+            yield {**dict(zip(commands, running)), "refused": refused_server}
     finally:
         if refused.poll() is None:
             refused.kill()
@@ -143,8 +144,10 @@ def test_auto_under_an_avx2_cap_loads_float32_and_answers(model_dir, monkeypatch
 
 
 def test_a_configuration_that_fails_every_request_stops_the_server_at_start(servers):
-    refused = servers["refused"]  # never listened: only its process and its stderr
-    assert refused.process.wait(timeout=120) != 0
+    refused = servers["refused"]  # only its process and its stderr: it must exit, never healthy
+    with pytest.raises(ServerDidNotStart) as failure:
+        wait_for_start(refused.process, refused.log, lambda: healthy(refused.url))
+    assert failure.value.reason == "exited" and refused.process.returncode != 0, failure.value
     stderr = refused.log.read_text()
     assert "cannot answer a request as configured (--dtype bfloat16, --device cpu)" in stderr
     assert "no bfloat16 attention kernel on this CPU" in stderr
