@@ -1,23 +1,23 @@
-"""A decode step's attention from the pool: one new token per row, all real, every row at once.
+"""A decode forward's attention from the pool: one new token per row, all real, every row at once.
 
-For a decode step a loop over rows (`prefill`) costs more than it saves (two gathers and one SDPA call per row
+For a decode forward a loop over rows (`prefill`) costs more than it saves (two gathers and one SDPA call per row
 and layer), and one padded call over all rows attends over the padding of the short rows. So the rows are
-grouped by length (`KeyGroup`, planned once per step in the `DecodePlan`): each group's keys are gathered padded
+grouped by length (`KeyGroup`, built once per forward in the `DecodeReads`): each group's keys are gathered padded
 to its longest row (all groups' in one gather, which several threads share: `gathers_rows`) and attended in one
 masked call, the grouping chosen to minimize the keys read plus a fixed cost per call
-(`read_planner.length_groups`): an SDPA call, or, with ``decode="products"`` (``paged_bmm``), in float32, two
+(`reading.length_groups`): an SDPA call, or, with ``decode="products"`` (``paged_bmm``), in float32, two
 batched matrix products and a softmax (`softmax.product_attention`), faster on CPUs at two threads but equal to
-SDPA only up to float32 rounding. With ``decode="flex"`` (``paged_flex``), a float32 decode step on a CPU whose
+SDPA only up to float32 rounding. With ``decode="flex"`` (``paged_flex``), a float32 decode forward on a CPU whose
 rows fall in two groups or more copies nothing: a compiled `flex_attention` reads each row's blocks in place
 (`flex_decode`). When every row's keys fill consecutive slots (a row alone, whose blocks follow each other, or a
 fresh batch), each row attends instead from a strided view of the pool, with no copy at all. When the rows share
 their first keys in consecutive slots (beams, or samples of one prompt, reading the prompt's blocks), the shared
 keys are attended once for all rows from a view and only each row's own tail is gathered; the two partial
 softmaxes merge by their log-sum-exp (`SharedPrefix`, cascade attention). At more than one thread, float32
-decode steps hand SDPA each query head as a row of its own rather than folded into its key/value head's rows,
+decode forwards hand SDPA each query head as a row of its own rather than folded into its key/value head's rows,
 which gives the threads more work to share (`splits_query_heads`).
 
-Each way is a strategy of its own (`DECODE_STRATEGIES`), picked for the step by `decode_strategies`; groups of
+Each way is a strategy of its own (`DECODE_STRATEGIES`), picked for the forward by `decode_strategies`; groups of
 rows attend by SDPA, by the explicit softmax (soft-capping, sinks) or by batched products (`DecodeCall`).
 """
 
@@ -30,18 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from .flex_decode import attend_flex, flex_decode_applies
-from .read_plan import DecodePlan, PagedAttentionInputs, SharedPrefix, by_row
+from .reads import DecodeReads, PagedAttentionInputs, SharedPrefix, by_row
 from .softmax import attention_with_lse, explicit_attention, merge_attention, product_attention
 
 DECODE_KERNELS = ("sdpa", "products", "flex")
-"""How a decode step's rows attend: SDPA over gathered keys (``paged_sdpa``), batched products over them in
+"""How a decode forward's rows attend: SDPA over gathered keys (``paged_sdpa``), batched products over them in
 float32 (``paged_bmm``, `product_attention`), or a compiled `flex_attention` reading the blocks in place
 (``paged_flex``, `flex_decode`)."""
 
 
 @dataclass
 class DecodeCall:
-    """What every strategy of one layer's decode step shares: the attention's settings and how the query heads
+    """What every strategy of one layer's decode forward shares: the attention's settings and how the query heads
     meet their key/value heads."""
 
     heads: int  # H: key/value heads
@@ -95,7 +95,7 @@ class DecodeCall:
 def attend_decode(
     query: torch.Tensor,
     inputs: PagedAttentionInputs,
-    plan: DecodePlan,
+    reads: DecodeReads,
     scaling: float | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
@@ -106,25 +106,25 @@ def attend_decode(
     place by `flex_decode`); returns ``[B, 1, Hq, Dv]``. `decode`: one of `DECODE_KERNELS` (``products``: float32
     groups by `product_attention`; ``flex``: float32 rows read in place; both on plain storage only)."""
     call = DecodeCall.of(query, inputs.num_kv_heads, scaling, softcap, sinks, dropout, decode)
-    for name in decode_strategies(query, inputs, plan, call):
-        out = DECODE_STRATEGIES[name](query, inputs, plan, call)
+    for name in decode_strategies(query, inputs, reads, call):
+        out = DECODE_STRATEGIES[name](query, inputs, reads, call)
         if out is not None:
             return out
     raise AssertionError("only `in_place` declines, and never last")
 
 
 def decode_strategies(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> tuple[str, ...]:
-    """The `DECODE_STRATEGIES` a decode step tries, in order: the first that attends it (returns a tensor) serves.
+    """The `DECODE_STRATEGIES` a decode forward tries, in order: the first that attends it (returns a tensor) serves.
 
     ``in_place`` (``paged_flex``) first where it may serve (it declines where the kernel cannot run): rows alike
     (one group) are attended as fast by one SDPA call over their gathered keys. Then views of each row's run of
     consecutive slots, else the cascade over the keys all rows share, else the gathered groups (by batched
     products with ``paged_bmm``, in float32 on plain storage)."""
-    if plan.runs is not None:
+    if reads.runs is not None:
         chosen = "views"
-    elif plan.shared is not None and call.plain:
+    elif reads.shared is not None and call.plain:
         chosen = "cascade"
     elif (
         call.kernel == "products" and call.plain and query.dtype == torch.float32
@@ -133,13 +133,13 @@ def decode_strategies(
         chosen = "products"
     else:
         chosen = "gathered"
-    if call.kernel == "flex" and call.plain and plan.blocks is not None and len(plan.groups) > 1:
+    if call.kernel == "flex" and call.plain and reads.blocks is not None and len(reads.groups) > 1:
         return "in_place", chosen
     return (chosen,)
 
 
 def attend_in_place(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> torch.Tensor | None:
     """``[B, 1, Hq, Dv]`` by the compiled `flex_attention` reading each row's blocks in place (`flex_decode`), or
     None where it cannot run (storage not plain float32 on a CPU, a failed compile)."""
@@ -147,15 +147,15 @@ def attend_in_place(
     if values is None or not flex_decode_applies(query, keys):
         return None
     with inputs.lock.shared():  # the storage is read in place
-        flex_plan = plan.flex_plan(call.groups, keys.shape[1], query.device)
-        return attend_flex(query, keys, values, flex_plan, call.scale)
+        flex_reads = reads.flex_reads(call.groups, keys.shape[1], query.device)
+        return attend_flex(query, keys, values, flex_reads, call.scale)
 
 
 def attend_views(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> torch.Tensor:
-    """``[B, 1, Hq, Dv]``: a decode step whose rows each hold their keys in one run of consecutive slots
-    (`DecodePlan.runs`), each row attending from views of the storage (no copy, one call per row)."""
+    """``[B, 1, Hq, Dv]``: a decode forward whose rows each hold their keys in one run of consecutive slots
+    (`DecodeReads.runs`), each row attending from views of the storage (no copy, one call per row)."""
     batch_size, query_heads, _, key_dim = query.shape
     # [B, Hq, 1, D] as given when the query heads go one by one, else [B, H, g, D]: query head kv * g + j reads
     # key/value head kv, its g heads as g query rows
@@ -165,38 +165,38 @@ def attend_views(
             call.attend(
                 rows if batch_size == 1 else rows[b : b + 1], inputs.keys.run(*run), inputs.values.run(*run), None
             )
-            for b, run in enumerate(plan.runs)
+            for b, run in enumerate(reads.runs)
         ]  # per row, read from [1, H, n, D] views of its keys and values
         out = outs[0] if batch_size == 1 else torch.cat(outs)  # [B, Hq, 1, Dv] or [B, H, g, Dv]
         return out.reshape(batch_size, 1, query_heads, -1)  # one query per row: both order its heads alike
 
 
 def attend_cascade(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> torch.Tensor:
-    """``[B, 1, Hq, Dv]``: the keys all rows share (`DecodePlan.shared`) attended once for all, merged with each
+    """``[B, 1, Hq, Dv]``: the keys all rows share (`DecodeReads.shared`) attended once for all, merged with each
     row's own tail (`_cascade`)."""
     batch_size, query_heads, _, key_dim = query.shape
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, call.heads, call.groups, key_dim)
     with inputs.lock.shared():
-        out = _cascade(grouped, inputs, plan.shared, call.scale)  # [B, H, g, Dv]
+        out = _cascade(grouped, inputs, reads.shared, call.scale)  # [B, H, g, Dv]
         return out.reshape(batch_size, 1, query_heads, -1)
 
 
 def attend_gathered(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> torch.Tensor:
     """``[B, 1, Hq, Dv]``: each group of rows by one call (SDPA, or the explicit softmax) over its gathered keys."""
-    return _attend_groups(query, inputs, plan, call, _group_by_call, always_row_major=False)
+    return _attend_groups(query, inputs, reads, call, _group_by_call, always_row_major=False)
 
 
 def attend_by_products(
-    query: torch.Tensor, inputs: PagedAttentionInputs, plan: DecodePlan, call: DecodeCall
+    query: torch.Tensor, inputs: PagedAttentionInputs, reads: DecodeReads, call: DecodeCall
 ) -> torch.Tensor:
     """``[B, 1, Hq, Dv]``: each group of rows by batched products over its gathered keys (``paged_bmm``, float32,
     plain storage)."""
-    return _attend_groups(query, inputs, plan, call, _group_by_products, always_row_major=True)
+    return _attend_groups(query, inputs, reads, call, _group_by_products, always_row_major=True)
 
 
 DECODE_STRATEGIES: dict[str, Callable[..., torch.Tensor | None]] = {
@@ -206,14 +206,14 @@ DECODE_STRATEGIES: dict[str, Callable[..., torch.Tensor | None]] = {
     "products": attend_by_products,
     "gathered": attend_gathered,
 }
-"""A decode step's ways to attend, by name (`decode_strategies` picks them): each takes ``(query, inputs, plan,
+"""A decode forward's ways to attend, by name (`decode_strategies` picks them): each takes ``(query, inputs, reads,
 call)`` and returns ``[B, 1, Hq, Dv]`` (``in_place`` may decline: None)."""
 
 
 def _attend_groups(
     query: torch.Tensor,
     inputs: PagedAttentionInputs,
-    plan: DecodePlan,
+    reads: DecodeReads,
     call: DecodeCall,
     attend_group: Callable[[DecodeCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
     always_row_major: bool,
@@ -229,17 +229,17 @@ def _attend_groups(
         plain_storage = key_storage is not None and value_storage is not None
         row_major = plain_storage and (always_row_major or gathers_rows())
         if row_major:
-            keys, values = _gather_row_major(key_storage, plan), _gather_row_major(value_storage, plan)
+            keys, values = _gather_row_major(key_storage, reads), _gather_row_major(value_storage, reads)
         else:
-            keys = inputs.keys.gather(plan.slots)  # [H, N, D]: every group's keys, one copy
-            values = inputs.values.gather(plan.slots)  # [H, N, Dv]
+            keys = inputs.keys.gather(reads.slots)  # [H, N, D]: every group's keys, one copy
+            values = inputs.values.gather(reads.slots)  # [H, N, Dv]
     # per group [n, H, kv, D] (contiguous when gathered row-major)
-    key_parts, value_parts = _group_parts(keys, plan, row_major), _group_parts(values, plan, row_major)
-    if plan.groups[0].rows is None:  # one group of every row
-        out = attend_group(call, grouped, key_parts[0], value_parts[0], plan.groups[0].mask)
+    key_parts, value_parts = _group_parts(keys, reads, row_major), _group_parts(values, reads, row_major)
+    if reads.groups[0].rows is None:  # one group of every row
+        out = attend_group(call, grouped, key_parts[0], value_parts[0], reads.groups[0].mask)
         return out.reshape(batch_size, 1, query_heads, -1)  # [B, H, g, Dv] -> [B, 1, Hq, Dv]
     out = grouped.new_empty(batch_size, call.heads, call.groups, value_parts[0].shape[-1])  # [B, H, g, Dv]
-    for group, group_keys, group_values in zip(plan.groups, key_parts, value_parts):
+    for group, group_keys, group_values in zip(reads.groups, key_parts, value_parts):
         out.index_copy_(0, group.rows, attend_group(call, grouped[group.rows], group_keys, group_values, group.mask))
     return out.reshape(batch_size, 1, query_heads, -1)
 
@@ -263,7 +263,7 @@ def _group_by_products(
 
 
 def gathers_rows() -> bool:
-    """Whether a decode step gathers its keys as rows of the storage seen as ``[H * slots, D]``
+    """Whether a decode forward gathers its keys as rows of the storage seen as ``[H * slots, D]``
     (`_gather_row_major`): one ``index_select`` that several threads share, where a select along the slots of
     ``[H, slots, D]`` runs on one (SmolLM2's gather of 16 rows of 300 keys: 0.24 against 0.35 ms at two
     threads). At one thread the select along the slots is the faster (0.32 against 0.35 ms)."""
@@ -271,12 +271,12 @@ def gathers_rows() -> bool:
 
 
 def splits_query_heads() -> bool:
-    """Whether float32 decode steps hand SDPA their query heads one by one (``[n, Hq, 1, D]`` with
+    """Whether float32 decode forwards hand SDPA their query heads one by one (``[n, Hq, 1, D]`` with
     ``enable_gqa``, as transformers' ``sdpa`` does) rather than as the query rows of their key/value head
     (``[n, H, g, D]``): at more than one thread.
 
     SDPA's CPU kernel shares its work among threads by (row, head) pair: a row of SmolLM2 (3 key/value heads,
-    9 query heads) gives two threads 3 pairs grouped and 9 split. Alternated decode steps at two threads
+    9 query heads) gives two threads 3 pairs grouped and 9 split. Alternated decode forwards at two threads
     (SmolLM2, packed linear layers) ran 1.03x-1.05x faster split at batch 1 (512 keys), 1.02x-1.04x on ragged
     rows and 1.03x on 16 equal rows; with the stock linear kernels, 1.01x at batch 1 and 0.98x-1.01x on
     ragged and equal rows, within noise. At one thread grouped is as fast or faster (0.99x split at batch 1
@@ -287,18 +287,18 @@ def splits_query_heads() -> bool:
     return torch.get_num_threads() > 1
 
 
-def _gather_row_major(storage: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+def _gather_row_major(storage: torch.Tensor, reads: DecodeReads) -> torch.Tensor:
     """``[N * H, D]``: every group's keys (or values) from ``[H, slots, D]`` storage, group after group, each
-    group's ``[n, H, kv, D]`` contiguous (`DecodePlan.row_major_rows`); a copy."""
+    group's ``[n, H, kv, D]`` contiguous (`DecodeReads.row_major_rows`); a copy."""
     heads, capacity, dim = storage.shape
-    return storage.view(heads * capacity, dim).index_select(0, plan.row_major_rows(heads, capacity))
+    return storage.view(heads * capacity, dim).index_select(0, reads.row_major_rows(heads, capacity))
 
 
-def _group_parts(gathered: torch.Tensor, plan: DecodePlan, row_major: bool) -> list[torch.Tensor]:
-    """Each group's ``[n, H, kv, D]`` keys (or values) out of a decode step's one gather: ``[N * H, D]`` from
+def _group_parts(gathered: torch.Tensor, reads: DecodeReads, row_major: bool) -> list[torch.Tensor]:
+    """Each group's ``[n, H, kv, D]`` keys (or values) out of a decode forward's one gather: ``[N * H, D]`` from
     `_gather_row_major` (each group's part contiguous), else ``[H, N, D]`` (each a view of a slice along the
     slots)."""
-    shapes = plan.group_shapes()
+    shapes = reads.group_shapes()
     sizes = [rows * length for rows, length in shapes]  # per group n * kv
     if not row_major:
         return [by_row(part, rows) for part, (rows, _) in zip(gathered.split(sizes, 1), shapes)]
@@ -308,7 +308,7 @@ def _group_parts(gathered: torch.Tensor, plan: DecodePlan, row_major: bool) -> l
 
 
 def _cascade(grouped: torch.Tensor, inputs: PagedAttentionInputs, shared: SharedPrefix, scale: float) -> torch.Tensor:
-    """``[B, H, g, Dv]``: a decode step's attention, the shared prefix read once for all rows (a view, no
+    """``[B, H, g, Dv]``: a decode forward's attention, the shared prefix read once for all rows (a view, no
     copy) and each row's own tail gathered, merged by log-sum-exp. Call with the storage lock held."""
     batch_size, heads, groups, key_dim = grouped.shape
     run = (shared.first, shared.count)

@@ -1,11 +1,11 @@
-"""`paged_flex`'s decode step: each row's query attends to its blocks where they lie, by a compiled `flex_attention`.
+"""`paged_flex`'s decode forward: each row's query attends to its blocks where they lie, by a compiled `flex_attention`.
 
-`paged_sdpa` attends a decode step from a copy: every layer gathers the rows' keys and values out of the pool
+`paged_sdpa` attends a decode forward from a copy: every layer gathers the rows' keys and values out of the pool
 (the bytes `DynamicCache`'s ``cat`` moves) and hands the copy to SDPA. `flex_attention` instead takes a block
 mask, which can name for each row the physical blocks it reads: compiled by inductor (a C++ kernel on the CPU),
 it reads them in place, block after block, with no copy and no padding. The pool is head-major (``[H, slots,
 D]``), so the whole storage is the key tensor of every row (``[B, H, slots, D]``, expanded, not copied) and the
-mask (`FlexDecodePlan`, built once per step from the block tables for all layers) picks each row's blocks: its
+mask (`FlexDecodeReads`, built once per forward from the block tables for all layers) picks each row's blocks: its
 full blocks unmasked, its last, partly filled block with a mask of its filled slots. A key/value head's query
 heads are the query rows of one call (``[B, H, g, D]``), so each block is read once for all of them.
 
@@ -14,19 +14,18 @@ turn (`balanced_order`): consecutive rows then hold about as many keys, and the 
 
 It reads each block of 16 keys by a product of its own, which costs more per key than SDPA over a long run of
 gathered keys: rows of about one length (which `paged_sdpa` attends in one group, one SDPA call over their
-gathered keys) are left to that (16 rows of 300 tokens at two threads: 0.90x `DynamicCache`'s step time in place
-against 0.95x gathered). `paged_flex` reads in place the decode steps whose rows `paged_sdpa` would attend in two
-groups or more (`read_planner.length_groups`), where the copy and the calls cost the most.
+gathered keys) are left to that (16 rows of 300 tokens at two threads: 0.90x `DynamicCache`'s forward time in place
+against 0.95x gathered). `paged_flex` reads in place the decode forwards whose rows `paged_sdpa` would attend in two
+groups or more (`reading.length_groups`), where the copy and the calls cost the most.
 
 Measured on SmolLM2-135M (3 key/value heads of 64, 9 query heads, float32, 30 layers, a 2-core AMD EPYC;
-`scripts/bench/generate/bench_decode.py --per-step`, alternated steps): decode steps of 8 rows of 60 to 1,000 tokens took 97.5 against
-109.7 ms with ``paged_sdpa`` at one thread and 76.8 against 84.3 ms at two (`DynamicCache`: 128.6 and 96.7 ms).
-What it costs: the first call compiles
-the kernel (a few seconds; once per process, thread count and head shape, since the other sizes are dynamic), and
-it needs a C++ compiler; a compile that fails is reported once and the steps gather from then on (`FlexKernel`).
-Float32 only: in bfloat16 the kernel ran slower than the gather and SDPA (11 to 16 rows of 100 to 300 keys: 0.33
-to 0.66 against 0.22 to 0.41 ms a layer at two threads). The results equal SDPA's up to float32 rounding (about
-3e-7 on these shapes), not bit for bit.
+`scripts/bench/generate/bench_decode.py --per-step`, alternated forwards): decode forwards of 8 rows of 60 to 1,000
+tokens took 97.5 against 109.7 ms with ``paged_sdpa`` at one thread and 76.8 against 84.3 ms at two (`DynamicCache`:
+128.6 and 96.7 ms). What it costs: the first call compiles the kernel (a few seconds; once per process, thread count and
+head shape, since the other sizes are dynamic), and it needs a C++ compiler; a compile that fails is reported once and
+the forwards gather from then on (`FlexKernel`). Float32 only: in bfloat16 the kernel ran slower than the gather and
+SDPA (11 to 16 rows of 100 to 300 keys: 0.33 to 0.66 against 0.22 to 0.41 ms a layer at two threads). The results equal
+SDPA's up to float32 rounding (about 3e-7 on these shapes), not bit for bit.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def kernel_takes(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 class BlockRows(Protocol):
-    """A step's rows as block tables (`hf_paged_cache.cache.block_table.RowsView` is one)."""
+    """A forward's rows as block tables (`hf_paged_cache.cache.block_table.RowsView` is one)."""
 
     tables: list[list[int]]  # per row, its block ids
     num_tokens: list[int]  # per row, the tokens it stores
@@ -64,12 +63,13 @@ class BlockRows(Protocol):
 
 
 @dataclass
-class FlexDecodePlan:
-    """One decode step's rows as `flex_attention` reads them: the blocks of each, in the order the kernel takes them."""
+class FlexDecodeReads:
+    """One decode forward's rows as `flex_attention` reads them: the blocks of each, in the order the kernel takes
+    them."""
 
     block_mask: BlockMask  # per row (in `order`): its full blocks, and its last block with its filled slots
-    order: torch.Tensor | None  # [B] which row of the step the kernel takes in each place; None = as they are
-    restore: torch.Tensor | None  # [B] where each row of the step sits in the kernel's order (`order`'s inverse)
+    order: torch.Tensor | None  # [B] which row of the forward the kernel takes in each place; None = as they are
+    restore: torch.Tensor | None  # [B] where each row of the forward sits in the kernel's order (`order`'s inverse)
     # [T] the slots of the rows' last blocks past their keys, which the kernel multiplies by a zero weight: set to
     # zero before it reads them (whatever a block's earlier holder left there, NaN included, would else leak in);
     # None when every row fills its last block
@@ -80,7 +80,7 @@ def balanced_order(num_tokens: list[int]) -> list[int]:
     """The rows, long and short in turn: the longest, the shortest, the second longest, the second shortest...
 
     The kernel splits its (row, head) pairs among threads in consecutive runs; in this order every run of rows
-    holds about as many keys, where in the step's own order one thread could get all the long rows.
+    holds about as many keys, where in the forward's own order one thread could get all the long rows.
     """
     by_length = sorted(range(len(num_tokens)), key=lambda row: -num_tokens[row])
     order, low, high = [], 0, len(by_length) - 1
@@ -92,8 +92,8 @@ def balanced_order(num_tokens: list[int]) -> list[int]:
     return order
 
 
-def plan_flex_decode(rows: BlockRows, groups: int, capacity: int, device: torch.device) -> FlexDecodePlan:
-    """The block mask of a decode step whose row ``b`` reads its ``rows.num_tokens[b]`` keys (the step's new one
+def build_flex_decode_reads(rows: BlockRows, groups: int, capacity: int, device: torch.device) -> FlexDecodeReads:
+    """The block mask of a decode forward whose row ``b`` reads its ``rows.num_tokens[b]`` keys (the forward's new one
     included) through ``rows.tables[b]``.
 
     Args:
@@ -146,20 +146,20 @@ def plan_flex_decode(rows: BlockRows, groups: int, capacity: int, device: torch.
     )
     unfilled_slots = torch.tensor(unfilled, device=device) if unfilled else None
     if order == list(range(batch_size)):
-        return FlexDecodePlan(mask, None, None, unfilled_slots)
+        return FlexDecodeReads(mask, None, None, unfilled_slots)
     order_index = torch.tensor(order, device=device)
-    return FlexDecodePlan(mask, order_index, torch.argsort(order_index), unfilled_slots)
+    return FlexDecodeReads(mask, order_index, torch.argsort(order_index), unfilled_slots)
 
 
 class FlexKernel:
     """`flex_attention` compiled once (dynamic shapes), checked against SDPA before its first use, or nothing.
 
     One instance serves the process (`FLEX_KERNEL`): what it holds is inductor's compiled code, which is the
-    process's anyway. Before the kernel attends a step of a new shape (heads, query rows per head, head sizes,
+    process's anyway. Before the kernel attends a forward of a new shape (heads, query rows per head, head sizes,
     block size, dtype), it attends a small random case of that shape whose answer SDPA gives over gathered keys
     (`self_check`): a kernel that compiles but computes wrong here (seen with inductor generating AVX2 code on a
     CPU with AMX, under ``ATEN_CPU_CAPABILITY=avx2``) is never used. A compile error (no C++ compiler, an
-    unsupported shape) or a failed check is logged once, and `available` turns False so that later steps gather
+    unsupported shape) or a failed check is logged once, and `available` turns False so that later forwards gather
     as ``paged_sdpa`` does.
     """
 
@@ -211,13 +211,13 @@ class FlexKernel:
         rows = _CheckRows(tables=[[1, 2], [3]], num_tokens=[20, 5], block_size=block_size)
         keys, values = rand(heads, 4 * block_size, key_dim), rand(heads, 4 * block_size, value_dim)  # [H, slots, D]
         query = rand(2, heads, groups, key_dim)  # [B, H, g, D]
-        plan = plan_flex_decode(rows, groups, keys.shape[1], device)
-        order = plan.order if plan.order is not None else torch.arange(2, device=device)
-        if plan.unfilled is not None:
-            keys.index_fill_(1, plan.unfilled, 0)
-            values.index_fill_(1, plan.unfilled, 0)
+        reads = build_flex_decode_reads(rows, groups, keys.shape[1], device)
+        order = reads.order if reads.order is not None else torch.arange(2, device=device)
+        if reads.unfilled is not None:
+            keys.index_fill_(1, reads.unfilled, 0)
+            values.index_fill_(1, reads.unfilled, 0)
         got = self._compiled(query.index_select(0, order), keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1),
-                             block_mask=plan.block_mask, scale=key_dim**-0.5)  # [B, H, g, Dv] in the kernel's order
+                             block_mask=reads.block_mask, scale=key_dim**-0.5)  # [B, H, g, Dv] in the kernel's order
         got = got.index_select(0, torch.argsort(order))
         for b, (table, count) in enumerate(zip(rows.tables, rows.num_tokens)):
             slots = (torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[:count]  # [count]
@@ -245,8 +245,8 @@ FLEX_KERNEL = FlexKernel()
 
 def warm_up(heads: int, groups: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Compile the kernel for a model's attention shape (`heads` key/value heads of `groups` query heads each),
-    as its first decode step would; whether it compiled (False, compiling nothing, for a dtype or device the
-    kernel does not take: those steps gather).
+    as its first decode forward would; whether it compiled (False, compiling nothing, for a dtype or device the
+    kernel does not take: those forwards gather).
     """
     if not kernel_takes(dtype, device):
         return False
@@ -254,12 +254,12 @@ def warm_up(heads: int, groups: int, key_dim: int, value_dim: int, dtype: torch.
     keys = torch.zeros(heads, 4 * 16, key_dim, dtype=dtype, device=device)  # [H, slots, D]: 4 blocks
     values = torch.zeros(heads, 4 * 16, value_dim, dtype=dtype, device=device)
     query = torch.zeros(2, heads * groups, 1, key_dim, dtype=dtype, device=device)  # [B, Hq, 1, D]
-    plan = plan_flex_decode(rows, groups, keys.shape[1], device)
-    return attend_flex(query, keys, values, plan, key_dim**-0.5) is not None
+    reads = build_flex_decode_reads(rows, groups, keys.shape[1], device)
+    return attend_flex(query, keys, values, reads, key_dim**-0.5) is not None
 
 
 def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bool:
-    """Whether the compiled kernel can attend this decode step: plain float32 storage on a CPU, and no earlier
+    """Whether the compiled kernel can attend this decode forward: plain float32 storage on a CPU, and no earlier
     compile failure."""
     return (
         storage is not None
@@ -270,9 +270,9 @@ def flex_decode_applies(query: torch.Tensor, storage: torch.Tensor | None) -> bo
 
 
 def attend_flex(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: FlexDecodePlan, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, reads: FlexDecodeReads, scale: float
 ) -> torch.Tensor | None:
-    """``[B, 1, Hq, Dv]``: a decode step's attention read in place through `plan`, or None if the kernel cannot run.
+    """``[B, 1, Hq, Dv]``: a decode forward's attention read in place through `reads`, or None if the kernel cannot run.
 
     Args:
         query: ``[B, Hq, 1, D]``; keys, values: the layer's ``[H, slots, D]`` and ``[H, slots, Dv]`` storage (its
@@ -283,21 +283,21 @@ def attend_flex(
     heads = keys.shape[0]
     # [B, H, g, D]: query head kv * g + j reads key/value head kv, its g heads as g query rows
     grouped = query.view(batch_size, heads, query_heads // heads, key_dim)
-    if plan.order is not None:
-        grouped = grouped.index_select(0, plan.order)
-    if plan.unfilled is not None:
-        keys.index_fill_(1, plan.unfilled, 0)
-        values.index_fill_(1, plan.unfilled, 0)
+    if reads.order is not None:
+        grouped = grouped.index_select(0, reads.order)
+    if reads.unfilled is not None:
+        keys.index_fill_(1, reads.unfilled, 0)
+        values.index_fill_(1, reads.unfilled, 0)
     # [B, H, slots, D]: every row reads the same storage (expanded, not copied); the mask picks its blocks
     out = FLEX_KERNEL(
         grouped,
         keys.unsqueeze(0).expand(batch_size, -1, -1, -1),
         values.unsqueeze(0).expand(batch_size, -1, -1, -1),
-        plan.block_mask,
+        reads.block_mask,
         scale,
     )  # [B, H, g, Dv] in the kernel's order
     if out is None:
         return None
-    if plan.restore is not None:
-        out = out.index_select(0, plan.restore)
+    if reads.restore is not None:
+        out = out.index_select(0, reads.restore)
     return out.reshape(batch_size, 1, query_heads, -1)

@@ -4,7 +4,7 @@ With a `PagedCache` built from the model, `PagedCache.update` writes the new key
 pool and leaves a `PagedAttentionInputs` in the attention kwargs (transformers hands the same dict to
 ``cache.update`` and to the attention function): this function then attends straight from the block
 tables, each row to its own real tokens, with no padded copy (`attend_from_pool`: row by row, `prefill`, or a
-decode step's rows at once, `decode`). In a packed forward (`hf_paged_cache.cache.packed_forward`) it attends each
+decode forward's rows at once, `decode`). In a packed forward (`hf_paged_cache.cache.packed_forward`) it attends each
 segment of the sequence from its own cache (`attend_packed`).
 
 Otherwise (another cache, a config-built `PagedCache`, or a model that calls ``update`` without its
@@ -17,11 +17,11 @@ Either way it adds, over the stock ``sdpa`` path:
   explicit softmax;
 - a clear error for what it cannot do (``output_attentions``, ``position_bias``).
 
-``paged_bmm`` (`BMM_ATTENTION_NAME`, opt-in) is the same function with a float32 decode step's groups of rows
+``paged_bmm`` (`BMM_ATTENTION_NAME`, opt-in) is the same function with a float32 decode forward's groups of rows
 attended by batched matrix products rather than SDPA: faster on CPUs at two threads, not bit for bit.
-``paged_flex`` (`FLEX_ATTENTION_NAME`, opt-in) attends a float32 decode step's rows of differing lengths on a CPU
+``paged_flex`` (`FLEX_ATTENTION_NAME`, opt-in) attends a float32 decode forward's rows of differing lengths on a CPU
 by a compiled `flex_attention` that reads their blocks in place, with no gather (`flex_decode`): it compiles on its
-first such step.
+first such forward.
 """
 
 from __future__ import annotations
@@ -33,21 +33,21 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .decode import DECODE_KERNELS, attend_decode
 from .prefill import attend_rows
-from .read_plan import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
+from .reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
 from .softmax import explicit_attention
 
 ATTENTION_NAME = "paged_sdpa"
 BMM_ATTENTION_NAME = "paged_bmm"
-"""``paged_sdpa``, except that a float32 decode step's groups of rows attend by two batched matrix products
+"""``paged_sdpa``, except that a float32 decode forward's groups of rows attend by two batched matrix products
 (`softmax.product_attention`): faster on CPUs at two threads, equal to ``paged_sdpa`` up to float32
 rounding but not bit for bit (so greedy search can part from `DynamicCache`'s at a near-tie)."""
 FLEX_ATTENTION_NAME = "paged_flex"
-"""``paged_sdpa``, except that a float32 decode step on a CPU whose rows differ in length (two groups or more)
+"""``paged_sdpa``, except that a float32 decode forward on a CPU whose rows differ in length (two groups or more)
 reads each row's blocks in place through a compiled `flex_attention` (`flex_decode`): no gather, one call. It compiles on its first
-decode step (a few seconds) and needs a C++ compiler (without one it gathers as ``paged_sdpa`` does); equal to
+decode forward (a few seconds) and needs a C++ compiler (without one it gathers as ``paged_sdpa`` does); equal to
 ``paged_sdpa`` up to float32 rounding, not bit for bit."""
 PAGED_ATTENTION_NAMES = (ATTENTION_NAME, BMM_ATTENTION_NAME, FLEX_ATTENTION_NAME)
-"""The paged attentions, in the order of the `DECODE_KERNELS` their decode steps use."""
+"""The paged attentions, in the order of the `DECODE_KERNELS` their decode forwards use."""
 
 
 def paged_sdpa_attention(
@@ -70,7 +70,7 @@ def paged_sdpa_attention(
             ``paged_attention_inputs``.
         attention_mask: ``[B, 1, q, kv]`` bool (True = attend) or additive float mask, or None for causal.
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` before masking.
-        decode: how a decode step's rows attend (`DECODE_KERNELS`): what ``paged_bmm`` and ``paged_flex`` set.
+        decode: how a decode forward's rows attend (`DECODE_KERNELS`): what ``paged_bmm`` and ``paged_flex`` set.
         kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`, or
             from a packed forward's `PackedCaches`, whose `query` is ``[1, Hq, T, D]``).
     Returns:
@@ -148,31 +148,31 @@ def attend_from_pool(
     """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
 
     Padding queries (new tokens that are padding) are not computed: their output is zero.
-    `decode`: how a decode step's rows attend (one of `DECODE_KERNELS`).
+    `decode`: how a decode forward's rows attend (one of `DECODE_KERNELS`).
     """
-    if inputs.decode_plan is not None:
-        return attend_decode(query, inputs, inputs.decode_plan, scaling, softcap, sinks, dropout, decode)
+    if inputs.decode_reads is not None:
+        return attend_decode(query, inputs, inputs.decode_reads, scaling, softcap, sinks, dropout, decode)
     return attend_rows(query, inputs, scaling, softcap, sinks, dropout)
 
 
 def paged_bmm_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:
-    """``paged_bmm``: `paged_sdpa_attention` with a float32 decode step's groups of rows by batched products."""
+    """``paged_bmm``: `paged_sdpa_attention` with a float32 decode forward's groups of rows by batched products."""
     return paged_sdpa_attention(*args, decode="products", **kwargs)
 
 
 def paged_flex_attention(*args, **kwargs) -> tuple[torch.Tensor, None]:
-    """``paged_flex``: `paged_sdpa_attention` with a float32 decode step's rows read in place by `flex_attention`."""
+    """``paged_flex``: `paged_sdpa_attention` with a float32 decode forward's rows read in place by `flex_attention`."""
     return paged_sdpa_attention(*args, decode="flex", **kwargs)
 
 
 def decode_kernel(name: str) -> str:
-    """How the decode steps of paged attention `name` (one of `PAGED_ATTENTION_NAMES`) attend: its
+    """How the decode forwards of paged attention `name` (one of `PAGED_ATTENTION_NAMES`) attend: its
     `DECODE_KERNELS` entry, what `set_paged_attention` takes to switch a model to it."""
     return DECODE_KERNELS[PAGED_ATTENTION_NAMES.index(name)]
 
 
 def set_paged_attention(model: PreTrainedModel, decode: str = "sdpa") -> None:
-    """Switch `model` to ``paged_sdpa``, or to the paged attention whose decode steps attend as `decode` says
+    """Switch `model` to ``paged_sdpa``, or to the paged attention whose decode forwards attend as `decode` says
     (``"products"``: ``paged_bmm``, see `BMM_ATTENTION_NAME`; ``"flex"``: ``paged_flex``, see
     `FLEX_ATTENTION_NAME`); raise `NotImplementedError` if the architecture cannot use it, `ValueError` for another
     `decode`.

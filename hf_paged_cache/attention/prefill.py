@@ -1,9 +1,9 @@
-"""Attention from the pool row by row: a prefill, a chunk, or any step that is not a plain decode step.
+"""Attention from the pool row by row: a prefill, a chunk, or any forward that is not a plain decode forward.
 
 For each row, `attend_rows` reads the keys and values of its real tokens only (`RowKeys`: one gather each by
 slot; the pool is head-major, so SDPA gets contiguous heads) and runs SDPA on them, with the grouped query heads
 folded into the query rows of their key/value head. No padded copy of the history is made, and no attention is
-computed over padding. (A decode step, one real new token per row, attends all its rows at once instead:
+computed over padding. (A decode forward, one real new token per row, attends all its rows at once instead:
 `decode`.)
 
 A first forward's rows that repeat an earlier row (the same prompt: `generate` repeats it for beams and samples,
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .read_plan import PagedAttentionInputs
+from .reads import PagedAttentionInputs
 from .softmax import explicit_attention
 
 
@@ -121,7 +121,7 @@ def _row_keys_and_values(
     positions, span = inputs.row_keys.positions[row], inputs.row_keys.spans[row]
     if inputs.new_states is None:
         return keys, values, positions, span
-    # the past from the pool, then the step's real new tokens as the layer computed them
+    # the past from the pool, then the forward's real new tokens as the layer computed them
     new_keys, new_values = (s[row : row + 1] for s in inputs.new_states)  # [1, H, q, D]
     if picked is not None:
         new_keys, new_values = new_keys.index_select(2, picked), new_values.index_select(2, picked)

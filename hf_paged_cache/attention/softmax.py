@@ -1,5 +1,5 @@
 """The softmax maths of attention from the pool, beyond SDPA's own: an explicit softmax (soft-capping, sinks),
-a decode step's attention by batched products, and partial softmaxes merged by their log-sum-exp (cascade)."""
+a decode forward's attention by batched products, and partial softmaxes merged by their log-sum-exp (cascade)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`PagedCache` (the `transformers.Cache` contract), its rows, step planning, block tables and stats."""
+"""`PagedCache` (the `transformers.Cache` contract), its rows, each forward's layout and lifecycle, block tables and
+stats."""
 
 from .paged_cache import PagedCache
 from .stats import CacheStats, GroupStats

@@ -10,7 +10,7 @@ import torch
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables
 from .prefix import adopt_longest_prefix
-from .step import StepUndo, keep_from
+from .forward import ForwardUndo, keep_from
 
 
 class PagedBatch:
@@ -20,11 +20,11 @@ class PagedBatch:
     padding mask `is_real` is shared, since positions are the same in every layer. Rows are selected,
     truncated, copied and appended by sharing blocks (reference counts), never by copying keys and values.
 
-    The forward step in progress over the rows (`ForwardSteps`) changes them in place and keeps a
-    `savepoint` of them, which `restore` brings back if the step is rolled back.
+    The forward in progress over the rows (`ForwardLifecycle`) changes them in place and keeps a
+    `savepoint` of them, which `restore` brings back if the forward is rolled back.
 
     `lock` makes each change atomic for readers on other threads, which read the rows as the last committed
-    step left them (`ForwardSteps.committed`).
+    forward left them (`ForwardLifecycle.committed`).
     """
 
     def __init__(self, pool: KVPool, root: bytes | None):
@@ -44,11 +44,11 @@ class PagedBatch:
     def batch_size(self) -> int:
         return self.tables.batch_size
 
-    def savepoint(self) -> StepUndo:
+    def savepoint(self) -> ForwardUndo:
         """The rows as they are now, for `restore` (block tables per group and the padding mask)."""
-        return StepUndo([tables.savepoint() for tables in self.groups], self.is_real)
+        return ForwardUndo([tables.savepoint() for tables in self.groups], self.is_real)
 
-    def restore(self, undo: StepUndo) -> None:
+    def restore(self, undo: ForwardUndo) -> None:
         """Bring the rows, their blocks and reference counts back to `undo` (`savepoint`). Call under `lock`."""
         for tables, savepoint in zip(self.groups, undo.tables):
             tables.rollback(savepoint)
@@ -89,9 +89,9 @@ class PagedBatch:
         self.drop_out_of_window()
 
     def drop_drafts(self, removed: Sequence[int]) -> None:
-        """Forget each row's last `removed[b]` tokens (real ones: the rejected drafts of the step that wrote
+        """Forget each row's last `removed[b]` tokens (real ones: the rejected drafts of the forward that wrote
         them), their blocks going back, and shift each row right by as many positions (padding in front), so
-        that every row's real tokens stay contiguous at its end. Call under `lock`, before the step's blocks
+        that every row's real tokens stay contiguous at its end. Call under `lock`, before the forward's blocks
         are registered."""
         for tables in self.groups:
             tables.truncate(removed)
@@ -108,7 +108,7 @@ class PagedBatch:
                 tables.drop_blocks_before(kept)
 
     def reset(self) -> None:
-        """Give every block back, those an unfinished step took included, and forget every row."""
+        """Give every block back, those an unfinished forward took included, and forget every row."""
         with self.lock:
             for tables in self.groups:
                 tables.release()
@@ -130,7 +130,7 @@ class PagedBatch:
         other.is_real = self.is_real.clone()
 
     def absorb(self, other: PagedBatch) -> int:
-        """Append `other`'s rows (same pool, no step in progress) after these, sharing their blocks.
+        """Append `other`'s rows (same pool, no forward in progress) after these, sharing their blocks.
 
         Rows stay right-aligned: the side with fewer positions gets left padding, which takes no blocks and
         keeps each row's real tokens contiguous at its end (so sliding windows see the same tokens). Returns

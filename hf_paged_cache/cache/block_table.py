@@ -20,17 +20,17 @@ class BlockTables:
     tables hold it, and a write into a shared, partly filled last block first copies it (copy-on-write).
 
     When a row's token ids are known (`token_ids[b]` is a list), each block it fills is registered in the
-    pool's prefix index (`register_full_blocks`, once the step that filled it is complete) under a key chained
+    pool's prefix index (`register_full_blocks`, once the forward that filled it is complete) under a key chained
     from `root` over all the row's tokens so far (`hashes[b]`). `root` stands for whatever else the contents
     depend on (the model that computed them); with `root=None` nothing is registered or looked up.
 
-    A step is all or nothing: `savepoint()` before it, then `rollback()` restores the tables and every
+    A forward is all or nothing: `savepoint()` before it, then `rollback()` restores the tables and every
     reference count exactly, or `commit()` lets go of the blocks copied away from and registers new full blocks.
 
     Tables of a sliding-window layer group keep only the blocks their next queries can see: a block lying
-    wholly before a row's `keep_from` token (given to `append`) is never taken if the step writes it, and is
-    given back when the step commits. Its entry stays in the table as the null block, so token `j` keeps
-    living at ``tables[b][j // block_size]``. Every slot of a held block is written (a step writes its new
+    wholly before a row's `keep_from` token (given to `append`) is never taken if the forward writes it, and is
+    given back when the forward commits. Its entry stays in the table as the null block, so token `j` keeps
+    living at ``tables[b][j // block_size]``. Every slot of a held block is written (a forward writes its new
     tokens into every held block, even one it gives back at commit), so a full block is whole when it is
     registered; a row whose block would miss earlier tokens (one given back, then taken again after a
     `truncate`) is never registered again.
@@ -39,12 +39,12 @@ class BlockTables:
     def __init__(self, blocks: BlockPool, root: bytes | None = None):
         self.blocks = blocks
         self.root = root
-        self.drop_before: list[int] | None = None  # per row, the first token the step in progress keeps
+        self.drop_before: list[int] | None = None  # per row, the first token the forward in progress keeps
         self.tables: list[list[int]] = []
         self.num_tokens: list[int] = []
         self.token_ids: list[list[int] | None] = []  # the row's stored token ids, None once unknown
         self.hashes: list[list[bytes]] = []  # prefix key of each full block of the row
-        self.copied_from: list[int] = []  # blocks the step in progress copied away from, still held until commit
+        self.copied_from: list[int] = []  # blocks the forward in progress copied away from, still held until commit
 
     @property
     def batch_size(self) -> int:
@@ -66,7 +66,7 @@ class BlockTables:
 
         `token_ids[b]` are those tokens' ids when known and usable as a prefix key (for prefix caching); None
         (for a row, or for all) marks them unknown, and the row is never registered again. `keep_from[b]`
-        (sliding windows): the row's first token still needed once the step is done; blocks wholly before it
+        (sliding windows): the row's first token still needed once the forward is done; blocks wholly before it
         are not taken (the new tokens there get no slot) and held ones are given back at `commit`.
 
         Returns the ``(src, dst)`` pairs of shared last blocks that were replaced by private copies: the caller
@@ -78,7 +78,7 @@ class BlockTables:
         grow, copy_rows, reopen_rows = [], [], []
         for row, n in enumerate(new_tokens):
             table, stored = self.tables[row], self.num_tokens[row]
-            end = -(-(stored + n) // size)  # ceil((stored + n) / size): the row's blocks after the step
+            end = -(-(stored + n) // size)  # ceil((stored + n) / size): the row's blocks after the forward
             grow.append(end - max(len(table), first[row]) if end > len(table) else 0)
             if n > 0 and stored % size:
                 if table[-1] == NULL_BLOCK and len(table) - 1 >= first[row]:
@@ -120,7 +120,7 @@ class BlockTables:
         return self.blocks.refcount(block) > 1 or self.blocks.is_cached(block)
 
     def register_full_blocks(self) -> None:
-        """Make every full block of a row with known token ids findable by prefix (after its step completed)."""
+        """Make every full block of a row with known token ids findable by prefix (after its forward completed)."""
         for row, tokens in enumerate(self.token_ids):
             if tokens is not None:
                 self._register_full_blocks(row)
@@ -159,7 +159,7 @@ class BlockTables:
         self.token_ids, self.hashes = savepoint.token_ids, savepoint.hashes
         for tokens, count in zip(self.token_ids, savepoint.token_counts):
             if tokens is not None:
-                del tokens[count:]  # a step only appends to the lists it found
+                del tokens[count:]  # a forward only appends to the lists it found
 
     def adopt_prefix(self, row: int, blocks: list[int], token_ids: Sequence[int]) -> None:
         """Start empty row `row` with already-held, full, cached `blocks` spelling `token_ids`."""
@@ -190,7 +190,7 @@ class BlockTables:
         self.hashes += [list(h) for h in other.hashes]
 
     def commit(self) -> None:
-        """Finish a step: drop the holds on the blocks copied away from, register the blocks it filled, and
+        """Finish a forward: drop the holds on the blocks copied away from, register the blocks it filled, and
         give back the blocks that fell out of a sliding window (registered ones stay findable by prefix)."""
         self.blocks.free(self.copied_from)
         self.copied_from = []
@@ -320,11 +320,11 @@ def slots_for_positions(table: torch.Tensor, is_real: torch.Tensor, block_size: 
 
 @dataclass
 class TablesSavepoint:
-    """The state of a `BlockTables` before a step (see `BlockTables.savepoint`)."""
+    """The state of a `BlockTables` before a forward (see `BlockTables.savepoint`)."""
 
     tables: list[list[int]]  # copies of each row's block list
     num_tokens: list[int]
-    token_ids: list[list[int] | None]  # the row lists themselves: a step only appends to them
+    token_ids: list[list[int] | None]  # the row lists themselves: a forward only appends to them
     token_counts: list[int]  # their lengths then
     hashes: list[list[bytes]]  # the row lists themselves: only `commit` appends to them
 

@@ -6,7 +6,7 @@ built from it: before each forward, it hands whatever cache the forward was give
 those three tensors, which the cache keeps in a `PendingInputs` until the forward's first ``update``.
 
 A forward hook, run even when the forward raises (``always_call``), then tells the cache how the forward
-ended (`InputObserver.forward_ended`): the cache keeps the step once the whole forward, LM head included,
+ended (`InputObserver.forward_ended`): the cache keeps the forward once the whole forward, LM head included,
 has succeeded, and rolls it back at once when any part of it raised.
 
 A first forward whose rows repeat each other (`generate` repeats every prompt ``k`` times for beams and for
@@ -246,7 +246,7 @@ def _observer(names: list[str], args: tuple, kwargs: dict) -> tuple[InputObserve
 def _input_hook(names: list[str]):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         if kwargs is None:
-            # torch registers a kwargs hook in two steps; a forward running in another thread meanwhile
+            # torch registers a kwargs hook in two forwards; a forward running in another thread meanwhile
             # calls it without kwargs. That forward started before the hook existed: nothing to observe.
             return
         target, bound = _observer(names, args, kwargs)

@@ -1,7 +1,7 @@
 """One layer's part of a forward: its new keys and values into the pool, and what its attention then reads.
 
-`store_layer` writes the new tokens through the step's slot index (`cache.step.StepIndex`) and hands
-attention one of three things: for ``paged_sdpa``, a read plan over the pool (`PagedAttentionInputs`, no
+`store_layer` writes the new tokens through the forward's slot index (`cache.forward.SlotIndex`) and hands
+attention one of three things: for ``paged_sdpa``, the reads over the pool (`PagedAttentionInputs`, no
 copy); for any other attention, dense ``[B, heads, kv_length, dim]`` K/V gathered through the block tables
 (padding reads the all-zero null block); for a grad-enabled forward on an empty cache, the new K/V
 themselves, so that gradients flow as with `DynamicCache`. `dense_layer` gathers a layer's stored K/V the
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.read_plan import PAGED_INPUTS, PagedAttentionInputs, by_row
+from ..attention.reads import PAGED_INPUTS, PagedAttentionInputs, by_row
 from ..pool.kv_format import StoredStates
 from ..pool.kv_pool import KVPool
 from ..pool.locks import SharedExclusiveLock
 from .block_table import RowsView, slots_for_positions
-from .step import StepIndex
+from .forward import SlotIndex
 
 
 def store_layer(
@@ -25,7 +25,7 @@ def store_layer(
     values: StoredStates,
     key_states: torch.Tensor,
     value_states: torch.Tensor,
-    index: StepIndex,
+    index: SlotIndex,
     offset: int,
     window: int | None,
     lock: SharedExclusiveLock,
@@ -36,40 +36,40 @@ def store_layer(
 
     Args:
         keys, values: the layer's stored keys and values (``[heads, slots, dim]``, in the pool's format).
-        key_states, value_states: ``[B, heads, q, dim]`` the step's new keys and values.
-        offset: the first position the layer attends to (its window's, before this step).
+        key_states, value_states: ``[B, heads, q, dim]`` the forward's new keys and values.
+        offset: the first position the layer attends to (its window's, before this forward).
         attention_kwargs: the dict transformers hands the attention function, when attention reads from the
-            pool (``paged_sdpa``): the read plan goes there and the new K/V are returned unused.
+            pool (``paged_sdpa``): the reads go there and the new K/V are returned unused.
         needs_grad: gradients flow through the new K/V (an empty cache only).
     """
-    with lock.shared():  # another thread's step may grow the pool's tensors in place
+    with lock.shared():  # another thread's forward may grow the pool's tensors in place
         write_new_tokens(keys, key_states, index)
         write_new_tokens(values, value_states, index)
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
         if attention_kwargs is not None:
-            decode_plan = index.decode_plan(
+            decode_reads = index.decode_reads(
                 offset, window, views=keys.plain is not None and values.plain is not None
             )
-            per_row = decode_plan is None  # else a decode step's rows attend in groups: no per-row index is made
+            per_row = decode_reads is None  # else a decode forward's rows attend in groups: no per-row index is made
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
                 keys, values, keys.num_heads, index.row_keys(offset) if per_row else None,
                 index.queries() if per_row else None, window, lock,
-                (key_states, value_states) if index.new_from_states else None, decode_plan,
+                (key_states, value_states) if index.new_from_states else None, decode_reads,
             )
             return key_states, value_states
         slots = index.read_slots_from(offset)  # [B * kv], keys and values alike
         batch_size = key_states.shape[0]
         dense = gather(keys, slots, batch_size), gather(values, slots, batch_size)  # copies: safe once the lock is let go
-    if index.new_from_states:  # a sliding window stores only the step's last tokens: new K/V as given
+    if index.new_from_states:  # a sliding window stores only the forward's last tokens: new K/V as given
         return torch.cat([dense[0], key_states], dim=2), torch.cat([dense[1], value_states], dim=2)
     return dense
 
 
-def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: StepIndex) -> None:
+def write_new_tokens(storage: StoredStates, new: torch.Tensor, index: SlotIndex) -> None:
     """Store a layer's new keys (or values) ``[B, H, q, D]`` into its ``[H, slots, D]`` storage."""
     batch_size, heads, query_length, dim = new.shape
-    # [H, B * q, D] (at batch 1 a view, taken with one op: this runs twice per layer and step)
+    # [H, B * q, D] (at batch 1 a view, taken with one op: this runs twice per layer and forward)
     new = new[0] if batch_size == 1 else new.transpose(0, 1).reshape(heads, batch_size * query_length, dim)
     if index.write_rows is not None:
         new = new.index_select(1, index.write_rows)  # [H, N, D] real tokens only
@@ -88,7 +88,7 @@ def dense_layer(
     """Layer `layer_idx`'s keys and values from position `offset` on, as dense ``[B, H, L - offset, D]`` copies.
 
     Args:
-        rows: the block tables of the layer's group, as the caller reads them (the last committed step's).
+        rows: the block tables of the layer's group, as the caller reads them (the last committed forward's).
         is_real: ``[B, L]`` False where a position is padding (it reads the null block's zeros).
     Raises:
         ValueError: the layer has stored nothing yet.

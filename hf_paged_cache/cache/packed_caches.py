@@ -2,7 +2,7 @@
 
 A packed forward (`hf_paged_cache.cache.packed_forward.packed_forward`) holds each member cache's new tokens as one
 `Segment` of a ``[1, T]`` sequence. At each layer `PackedCaches.update` hands every member its slice of the new
-keys and values, shaped ``[rows, heads, q, dim]`` as if it ran alone (`PagedCache.update` stores them and plans
+keys and values, shaped ``[rows, heads, q, dim]`` as if it ran alone (`PagedCache.update` stores them and lays out
 attention from the pool), and `paged_sdpa` attends each slice from its own member's blocks
 (`paged_sdpa.attend_packed`). No token attends across members.
 
@@ -20,7 +20,7 @@ import torch
 from transformers import Cache
 
 from ..attention.paged_sdpa import ATTENTION_NAME
-from ..attention.read_plan import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
+from ..attention.reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs, SegmentSpan
 from .paged_cache import PagedCache
 
 

@@ -1,6 +1,6 @@
 """One forward over the new tokens of several `PagedCache`s, packed into one ``[1, T]`` sequence.
 
-A continuous batcher's step has decode rows (one new token each, in the running cache) and prompt chunks
+A continuous batcher's forward has decode rows (one new token each, in the running cache) and prompt chunks
 (each in its own request's cache). Run as separate forwards, every forward reads every weight again, and
 the decode rows' matmuls run at a few dozen rows, far below what a CPU reaches at hundreds. Packed, the
 model sees one sequence of all T new tokens with their own ``position_ids``: each linear layer runs once
@@ -31,7 +31,7 @@ def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_a
         logits_at: indices in the packed sequence (`Segment.start` onwards) whose logits to compute.
 
     All or nothing: if the forward fails anywhere (the LM head included), every segment's cache is rolled back
-    before the error is raised; else each keeps its step (or leaves it pending, for a ``manual_commit`` cache).
+    before the error is raised; else each keeps its forward (or leaves it pending, for a ``manual_commit`` cache).
     """
     if len({id(segment.cache) for segment in segments}) < len(segments):
         raise ValueError("packed_forward() takes each cache in one segment at most")

@@ -13,7 +13,7 @@ from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, attention_windows
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
-from .forward_steps import ForwardSteps
+from .forward_lifecycle import ForwardLifecycle
 from .inputs import install_input_hook, prefix_root
 from .layer import PagedLayer
 from .layer_io import dense_layer, store_layer
@@ -43,17 +43,17 @@ class PagedCache(BlockSharing, Cache):
             0.28x of float32's bytes; `KVFormat`); ``"bfloat16"`` or ``"float16"`` (a plain cast). Reads give the
             model's dtype back, so attention computes as before, from rounded keys and values. A shared
             `pool` brings its own (`KVPool.kv_format`). `ValueError` for any other name.
-        manual_commit: keep a forward's step pending once it has run, until `commit()` keeps it or `settle()`
-            drops it (a continuous batcher commits a step only once every request in it has its token).
+        manual_commit: keep a forward's forward pending once it has run, until `commit()` keeps it or `settle()`
+            drops it (a continuous batcher commits a forward only once every request in it has its token).
 
     A forward is all or nothing: it is kept once the whole forward has run (the model's LM head included,
     for a cache built from the model), and if it fails anywhere (an exception, `PoolExhaustedError`), its
-    step is rolled back at once, blocks and prefix registrations included, so the cache and the pool are
+    forward is rolled back at once, blocks and prefix registrations included, so the cache and the pool are
     exactly as they were before. (After a ``KeyboardInterrupt``, which no hook sees, the next forward or the
     next read on the same thread rolls it back.)
 
     Reads (`get_seq_length`, `stats`, `is_real`, `block_tables`, ``repr``, ``layers[i].keys``) are safe from
-    any thread at any time: they see the cache as its last committed step left it and change nothing.
+    any thread at any time: they see the cache as its last committed forward left it and change nothing.
 
     Use ``with PagedCache(model) as cache:`` or call `release()` to give the blocks back; a cache that is
     dropped gives them back at once.
@@ -82,7 +82,7 @@ class PagedCache(BlockSharing, Cache):
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
-        self.steps = ForwardSteps(self.batch, self.layers, manual_commit)
+        self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit)
         # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
         # rows[i] (`repeat_rows_after_forward`)
         self._rows_after_forward: torch.Tensor | None = None
@@ -112,25 +112,25 @@ class PagedCache(BlockSharing, Cache):
         layer = self.layers[layer_idx]
         keys, values = self.pool.layer(layer_idx, key_states, value_states)
         layer.is_initialized = True
-        step = self.steps.enter(layer, key_states.shape[0], key_states.shape[2], key_states.device)
-        needs_grad = _needs_grad(key_states, value_states, step.past_length)
+        forward = self.lifecycle.enter(layer, key_states.shape[0], key_states.shape[2], key_states.device)
+        needs_grad = _needs_grad(key_states, value_states, forward.past_length)
         attention_kwargs = kwargs.get("kwargs")  # the dict transformers also hands the attention function
-        from_pool = step.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
-        index = self.steps.index(self.pool.group_of[layer_idx], key_states.device)
+        from_pool = forward.from_pool and isinstance(attention_kwargs, dict) and not needs_grad
+        index = self.lifecycle.index(self.pool.group_of[layer_idx], key_states.device)
         result = store_layer(
             keys, values, key_states, value_states, index,
-            layer.window_offset(),  # before this step's tokens count, as `get_mask_sizes` saw it
+            layer.window_offset(),  # before this forward's tokens count, as `get_mask_sizes` saw it
             layer.sliding_window, self.pool.storage_lock, attention_kwargs if from_pool else None, needs_grad,
         )
-        self.steps.leave(layer, step)
+        self.lifecycle.leave(layer, forward)
         return result
 
     def computes_repeats_once(self) -> bool:
         """Whether the next forward may compute each distinct row of a batch whose rows repeat each other once
         (`generate` repeats every prompt for beams and samples; the model's hooks then cut the forward to the
         distinct rows and repeat its logits and this cache's rows after it): an empty cache that keeps its
-        steps itself (not `manual_commit`)."""
-        return self.batch_size == 0 and not self.steps.manual_commit
+        forwards itself (not `manual_commit`)."""
+        return self.batch_size == 0 and not self.lifecycle.manual_commit
 
     def repeat_rows_after_forward(self, rows: torch.Tensor) -> None:
         """The running forward computes only distinct rows: when it has ended well, row ``i`` of the batch its
@@ -143,29 +143,29 @@ class PagedCache(BlockSharing, Cache):
         return rows
 
     def forward_ended(self, failed: bool) -> None:
-        """Called by the model's forward hook when a forward on this cache ends: keeps the step it made (with
+        """Called by the model's forward hook when a forward on this cache ends: keeps the forward it made (with
         `manual_commit`, it waits for `commit()`), or rolls it back when the forward raised anywhere."""
-        self.steps.forward_ended(failed)
+        self.lifecycle.forward_ended(failed)
 
     def commit(self, keep: Sequence[int] | None = None) -> None:
-        """Keep the step of the last forward (with `manual_commit`; other caches commit by themselves); with
+        """Keep the forward of the last forward (with `manual_commit`; other caches commit by themselves); with
         `keep`, only each row's first ``keep[b]`` new tokens (the rest are drafts: `expect_drafts`).
 
-        Nothing to do when no step is pending. Raises `RuntimeError` if the last forward did not finish.
+        Nothing to do when no forward is pending. Raises `RuntimeError` if the last forward did not finish.
         """
-        self.steps.commit(keep)
+        self.lifecycle.commit(keep)
 
     def expect_drafts(self, drafts: int) -> None:
         """The next forward's last `drafts` new tokens per row are drafts `commit(keep=...)` may drop."""
-        self.steps.expect_drafts(drafts)
+        self.lifecycle.expect_drafts(drafts)
 
     def settle(self) -> None:
-        """Roll back the step not committed, if any: one that a failed forward left unfinished or, with
+        """Roll back the forward not committed, if any: one that a failed forward left unfinished or, with
         `manual_commit`, a complete one awaiting `commit()`. Nothing otherwise.
 
-        Failed forwards are rolled back by themselves; call this to drop a pending step (`manual_commit`).
+        Failed forwards are rolled back by themselves; call this to drop a pending forward (`manual_commit`).
         """
-        self.steps.settle()
+        self.lifecycle.settle()
 
     def observe_inputs(
         self,
@@ -183,28 +183,28 @@ class PagedCache(BlockSharing, Cache):
         ``[B, past + q]`` mask; anything else means "no padding" (padding is then stored, which changes
         memory, never results). Token ids (with `position_ids` when the forward gets them) let full blocks
         be found again by prefix (`reuse_prefix`). When `attention` is ``"paged_sdpa"``, attention reads the
-        keys and values straight from the pool (no dense copy). A step left unfinished by a failed forward
+        keys and values straight from the pool (no dense copy). A forward left unfinished by a failed forward
         is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
-        self.steps.drop_unfinished()
-        self.steps.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
+        self.lifecycle.drop_unfinished()
+        self.lifecycle.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 
     # ------------------------------------------------------------------ the Cache contract
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions the cache holds (padding included), as its last committed step left them."""
+        """Positions the cache holds (padding included), as its last committed forward left them."""
         if layer_idx >= len(self.layers):
             return 0
-        self.steps.settle_failed_here()
+        self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            return self.steps.committed_length()
+            return self.lifecycle.committed_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if layer_idx >= len(self.layers):
             return query_length, 0
-        self.steps.settle_failed_here()
+        self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            return self.layers[layer_idx].get_mask_sizes(query_length, self.steps.committed_length())
+            return self.layers[layer_idx].get_mask_sizes(query_length, self.lifecycle.committed_length())
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -220,9 +220,9 @@ class PagedCache(BlockSharing, Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
-        self.steps.drop_unfinished()
+        self.lifecycle.drop_unfinished()
         with self.batch.lock:
-            length = self.steps.committed_length()
+            length = self.lifecycle.committed_length()
             remove = min(-tokens_to_remove, length)
             self.batch.truncate(length - remove)
             for layer in self.layers:
@@ -251,13 +251,13 @@ class PagedCache(BlockSharing, Cache):
         self._select_rows(indices)
 
     def _select_rows(self, indices: torch.Tensor | list[int]) -> None:
-        self.steps.drop_unfinished()
+        self.lifecycle.drop_unfinished()
         self.batch.select(indices)
 
     def reset(self) -> None:
         """Give every block back to the pool and empty the cache; it stays usable."""
         with self.batch.lock:
-            self.steps.reset()  # an unfinished step's blocks are released with the rest
+            self.lifecycle.reset()  # an unfinished forward's blocks are released with the rest
             for layer in self.layers:
                 layer.reset()
 
@@ -275,46 +275,46 @@ class PagedCache(BlockSharing, Cache):
 
     @property
     def batch_size(self) -> int:
-        """Rows (sequences) the cache holds, as its last committed step left them."""
+        """Rows (sequences) the cache holds, as its last committed forward left them."""
         with self.batch.lock:
-            return self.steps.committed()[0][0].batch_size
+            return self.lifecycle.committed()[0][0].batch_size
 
     @property
     def block_tables(self) -> RowsView:
         """A snapshot of each row's blocks (first layer group) and stored tokens, as last committed."""
-        self.steps.settle_failed_here()
+        self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            return self.steps.committed()[0][0].copy()
+            return self.lifecycle.committed()[0][0].copy()
 
     @property
     def is_real(self) -> torch.Tensor:
         """``[B, L]`` bool: False where a logical position is padding (stored nowhere), as last committed."""
         with self.batch.lock:
-            return self.steps.committed()[1]
+            return self.lifecycle.committed()[1]
 
     def stats(self) -> CacheStats:
         """Blocks, tokens and bytes this cache holds, in total and per layer group, as last committed."""
-        self.steps.settle_failed_here()
+        self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            return CacheStats.of(self.steps.committed()[0], self.pool)
+            return CacheStats.of(self.lifecycle.committed()[0], self.pool)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
 
         A sliding layer gives its last ``sliding_window - 1`` positions; padding positions read zeros.
         """
-        self.steps.settle_failed_here()
-        with self.batch.lock:  # held while gathering: a commit may free blocks the last committed step holds
-            offset = self.layers[layer_idx].window_offset(self.steps.committed_length())
-            views, is_real = self.steps.committed()
+        self.lifecycle.settle_failed_here()
+        with self.batch.lock:  # held while gathering: a commit may free blocks the last committed forward holds
+            offset = self.layers[layer_idx].window_offset(self.lifecycle.committed_length())
+            views, is_real = self.lifecycle.committed()
             return dense_layer(self.pool, layer_idx, views[self.pool.group_of[layer_idx]], is_real, offset)
 
     def __repr__(self) -> str:
-        self.steps.settle_failed_here()
+        self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            views = self.steps.committed()[0]
+            views = self.lifecycle.committed()[0]
             blocks = [len(view.unique_blocks()) for view in views]
-            length = self.steps.committed_length()
+            length = self.lifecycle.committed_length()
         return (
             f"PagedCache(rows={views[0].batch_size}, length={length}, "
             f"blocks={blocks[0] if len(blocks) == 1 else blocks}, pool={self.pool!r})"

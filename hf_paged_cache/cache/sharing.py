@@ -8,7 +8,7 @@ import torch
 
 from ..pool.kv_pool import KVPool
 from .batch import PagedBatch
-from .forward_steps import ForwardSteps
+from .forward_lifecycle import ForwardLifecycle
 from .layer import PagedLayer
 
 
@@ -20,7 +20,7 @@ class BlockSharing:
 
     pool: KVPool
     batch: PagedBatch
-    steps: ForwardSteps
+    lifecycle: ForwardLifecycle
     layers: list[PagedLayer]
     _source: Any  # the model or config a twin is built from
 
@@ -34,8 +34,8 @@ class BlockSharing:
         """
         if other.pool is not self.pool or other.batch.tables.root != self.batch.tables.root:
             raise ValueError("add_rows_from() needs a cache on the same pool, built from the same model")
-        self.steps.drop_unfinished()
-        other.steps.drop_unfinished()
+        self.lifecycle.drop_unfinished()
+        other.lifecycle.drop_unfinished()
         if not other.batch_size:
             return
         with self.batch.lock:
@@ -47,7 +47,7 @@ class BlockSharing:
 
     def drop_leading_padding(self) -> int:
         """Forget the first positions that are padding in every row (after rows left); returns how many."""
-        self.steps.drop_unfinished()
+        self.lifecycle.drop_unfinished()
         with self.batch.lock:
             drop = self.batch.drop_leading_padding()
             for layer in self.layers:
@@ -60,8 +60,8 @@ class BlockSharing:
         Prefill a long system prompt once, then fork it for each request instead of `copy.deepcopy`: the
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
-        self.steps.drop_unfinished()
-        twin = type(self)(self._source, pool=self.pool, manual_commit=self.steps.manual_commit)
+        self.lifecycle.drop_unfinished()
+        twin = type(self)(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
         with self.batch.lock:
             self.batch.copy_to(twin.batch)
             for mine, theirs in zip(twin.layers, self.layers):
@@ -101,7 +101,7 @@ class BlockSharing:
                 "reuse_prefix() needs a cache built from the model (PagedCache(model)): cached blocks are keyed by "
                 "the model that computed them, which a config-built cache does not know"
             )
-        self.steps.drop_unfinished()
+        self.lifecycle.drop_unfinished()
         if self.batch_size or self.get_seq_length():
             raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
         if attention_mask is not None and not bool(attention_mask.bool().all()):

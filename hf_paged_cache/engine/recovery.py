@@ -7,8 +7,8 @@ was, and no request's tokens have changed. A step planned apart runs here, and s
 forward failed (`StepExecutor`), computed again so that the cause is isolated:
 
 1. the decode rows run in one forward, then each prompt chunk in a forward of its own;
-2. each of those forwards is tried twice (`token_choice.attempts`, as each token choice is), so that a fault that does not come back costs nobody
-   anything;
+2. each of those forwards is tried twice (`token_choice.attempts`, as each token choice is), so that a fault
+   that does not come back costs nobody anything;
 3. a prompt chunk that fails twice fails its request alone, with the real exception;
 4. decode rows that fail twice are tried one by one, each on a throwaway fork of the running cache: the rows
    that fail alone fail on their handles, and the others run at the next step without them. When no row

@@ -33,7 +33,7 @@ that read or write a layer's tensors (`PagedCache`):
    `attend_from_pool` do. Call `layer()` (which may create the layer's tensors, under `exclusive()`) before
    entering `shared()`. Results of a gather (``index_select``) are copies, safe to use after the block;
    views are not.
-2. Do not take blocks (`BlockTables.append`, `plan_group`, `BlockPool.allocate`) and do not call `layer()`
+2. Do not take blocks (`BlockTables.append`, `take_group_blocks`, `BlockPool.allocate`) and do not call `layer()`
    for a layer without storage while holding `shared()`: both may need `exclusive()`, and the lock refuses
    that upgrade with a `RuntimeError` (rather than deadlock). Taking blocks before or after calling
    `layer()` is equally fine: the tensors grow in place.

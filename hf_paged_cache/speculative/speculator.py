@@ -1,15 +1,16 @@
 """`Speculator`: which draft tokens each decode step of the engine verifies, and whether it pays.
 
-On a CPU a decode step reads every weight once whatever the number of rows, so a step of 1 + k positions per
-row costs little more than a step of one. A row that carries k draft tokens has them verified in one forward
-(the engine's executor; the rule is `speculative.verification`): the longest prefix the model agrees with is
-kept, with one token of the model's own after it, so a step yields between 1 and k + 1 tokens per row and the output is the output without speculation.
+On a CPU a decode step reads every weight once whatever the number of rows, so a step of 1 + k positions per row costs
+little more than a step of one. A row that carries k draft tokens has them verified in one forward (the engine's
+executor; the rule is `speculative.verification`): the longest prefix the model agrees with is kept, with one token of
+the model's own after it, so a step yields between 1 and k + 1 tokens per row and the output is the output without
+speculation.
 
-Drafts come from a `DraftSource` (`speculative.proposers`), asked for all of a step's rows at once. By default, from each request's own
-tokens (`OwnTokens` of `NgramDrafts`, n-gram prompt lookup): the longest suffix of `max_n` down to `min_n`
-tokens that occurred before, and the tokens that followed its latest occurrence. Answers that repeat their
-input (summaries, edits, quotes, code) are where it pays. A smaller model with the same tokenizer drafts
-from its own greedy continuation (`hf_paged_cache.speculative.draft_model.DraftModel`).
+Drafts come from a `DraftSource` (`speculative.proposers`), asked for all of a step's rows at once. By default, from
+each request's own tokens (`OwnTokens` of `NgramDrafts`, n-gram prompt lookup): the longest suffix of `max_n` down to
+`min_n` tokens that occurred before, and the tokens that followed its latest occurrence. Answers that repeat their input
+(summaries, edits, quotes, code) are where it pays. A smaller model with the same tokenizer drafts from its own greedy
+continuation (`hf_paged_cache.speculative.draft_model.DraftModel`).
 
 Whether a step speculates, and how far (`Speculator.drafts`), is decided from two things measured as the
 batcher runs: each request's recent acceptance (the share of its drafts the model kept, `RowState`), and what

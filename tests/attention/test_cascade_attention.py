@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.attention.read_planner import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS
+from hf_paged_cache.attention.reading import CASCADE_MIN_SHARED, ZERO_COPY_MAX_ROWS
 from hf_paged_cache.attention.softmax import attention_with_lse, merge_attention
 from hf_paged_cache.cache.block_table import RowsView
-from hf_paged_cache.cache.step import StepIndex
+from hf_paged_cache.cache.forward import SlotIndex
 from call_counters import count_strategy
 from tiny_models import VOCAB, tiny_model
 
@@ -37,18 +37,18 @@ def test_merging_two_halves_gives_attention_over_both(dtype):
     torch.testing.assert_close(merged.float(), whole, rtol=0, atol=tolerance)
 
 
-def _decode_index(slots: torch.Tensor, is_real: torch.Tensor) -> StepIndex:
+def _decode_index(slots: torch.Tensor, is_real: torch.Tensor) -> SlotIndex:
     """A decode step's index whose rows' real tokens sit at `slots` ``[B, L]`` (blocks of one slot each)."""
     tables = [row[real].tolist() for row, real in zip(slots, is_real)]
     rows = RowsView(tables, [len(table) for table in tables], block_size=1)
-    return StepIndex(torch.zeros(0, dtype=torch.long), None, rows, is_real, past_length=is_real.shape[1] - 1)
+    return SlotIndex(torch.zeros(0, dtype=torch.long), None, rows, is_real, past_length=is_real.shape[1] - 1)
 
 
 def test_a_decode_step_finds_the_keys_its_rows_share():
     shared = torch.arange(100, 100 + 80).expand(3, 80)  # 80 positions in consecutive slots, all rows alike
     own = torch.tensor([[500, 501], [600, 601], [700, 701]])  # then each row's own
     slots = torch.cat([shared, own], dim=1)  # [3, 82]
-    plan = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_plan(0, window=None)
+    plan = _decode_index(slots, torch.ones(3, 82, dtype=torch.bool)).decode_reads(0, window=None)
     assert plan.runs is None and plan.shared is not None
     assert (plan.shared.first, plan.shared.count) == (100, 80)
     assert plan.shared.tail_slots.tolist() == own.reshape(-1).tolist()
@@ -58,24 +58,24 @@ def test_a_decode_step_finds_the_keys_its_rows_share():
 def test_the_shared_keys_stop_at_a_gap_in_the_slots_and_never_take_the_new_token():
     slots = torch.arange(100, 100 + 90).expand(2, 90).clone()
     slots[:, 70:] += 1000  # rows alike, but the run of consecutive slots breaks at position 70
-    plan = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_plan(0, None)
+    plan = _decode_index(slots, torch.ones(2, 90, dtype=torch.bool)).decode_reads(0, None)
     assert plan.shared.count == 70
     # rows alike to the end, too many to attend each from a view: the new token stays a tail
     rows = ZERO_COPY_MAX_ROWS + 1
     identical = torch.arange(100, 100 + 90).expand(rows, 90)
-    plan = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_plan(0, None)
+    plan = _decode_index(identical, torch.ones(rows, 90, dtype=torch.bool)).decode_reads(0, None)
     assert plan.runs is None and plan.shared.count == 89
 
 
 def test_no_cascade_for_rows_that_share_too_little_padding_or_a_window():
     slots = torch.arange(100, 100 + 80).expand(2, 80).clone()
     slots[1, CASCADE_MIN_SHARED - 1 :] += 1000  # too little shared
-    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_plan(0, None).shared is None
+    assert _decode_index(slots, torch.ones(2, 80, dtype=torch.bool)).decode_reads(0, None).shared is None
     padding = torch.ones(2, 80, dtype=torch.bool)
     padding[1, :4] = False  # left padding: the rows' first keys differ
-    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_plan(0, None).shared is None
+    assert _decode_index(torch.arange(100, 180).expand(2, 80), padding).decode_reads(0, None).shared is None
     alike = torch.arange(100, 180).expand(2, 80)
-    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_plan(0, window=40).shared is None
+    assert _decode_index(alike, torch.ones(2, 80, dtype=torch.bool)).decode_reads(0, window=40).shared is None
 
 
 def _count_calls(monkeypatch, owner, name: str) -> list[int]:
@@ -181,13 +181,13 @@ def test_attending_a_repeated_prompt_once_changes_no_output(monkeypatch, sdpa_ca
     batch = _repeated_prompts()
     reused = _whole_forward(model, batch, PagedCache(model, num_blocks=64, kv_dtype=kv_dtype))
     calls_reused = len(sdpa_calls)
-    original = StepIndex.queries
+    original = SlotIndex.queries
 
     def without_repeats(self):
         queries = original(self)
         return dataclasses.replace(queries, repeats=None)
 
-    monkeypatch.setattr(StepIndex, "queries", without_repeats)
+    monkeypatch.setattr(SlotIndex, "queries", without_repeats)
     computed = _whole_forward(model, batch, PagedCache(model, num_blocks=64, kv_dtype=kv_dtype))
     assert calls_reused < len(sdpa_calls) - calls_reused  # the repeats were attended once
     torch.testing.assert_close(reused, computed, rtol=0, atol=0)

@@ -11,10 +11,16 @@ from tiny_models import ragged_batch, tiny_model
 from transformers import DynamicCache
 
 import hf_paged_cache.attention.decode as decode_module
-import hf_paged_cache.attention.read_planner as read_planner
+import hf_paged_cache.attention.reading as reading
 from hf_paged_cache import ContinuousBatcher, PagedCache, set_paged_attention
 from hf_paged_cache.attention import flex_decode
-from hf_paged_cache.attention.flex_decode import FLEX_KERNEL, attend_flex, balanced_order, plan_flex_decode, warm_up
+from hf_paged_cache.attention.flex_decode import (
+    FLEX_KERNEL,
+    attend_flex,
+    balanced_order,
+    build_flex_decode_reads,
+    warm_up,
+)
 from hf_paged_cache.cache.block_table import RowsView
 
 
@@ -27,7 +33,7 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def rows_in_groups(monkeypatch):
     """Every decode step's rows in groups of their own (no call cost): the steps ``paged_flex`` reads in place."""
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", 0)
 
 
 def test_rows_go_to_the_kernel_long_and_short_in_turn():
@@ -39,7 +45,7 @@ def test_rows_go_to_the_kernel_long_and_short_in_turn():
 def test_the_plan_names_each_rows_full_blocks_and_its_partly_filled_last_block():
     # row 0: 40 tokens in blocks 5, 2, 9 (2 full, 8 tokens in block 9); row 1: 32 tokens in blocks 3, 4 (2 full)
     rows = RowsView(tables=[[5, 2, 9], [3, 4]], num_tokens=[40, 32], block_size=16)
-    plan = plan_flex_decode(rows, groups=2, capacity=16 * 12, device=torch.device("cpu"))
+    plan = build_flex_decode_reads(rows, groups=2, capacity=16 * 12, device=torch.device("cpu"))
     # row 0 is the longer: the kernel takes the rows as they are
     assert plan.order is None and plan.restore is None
     mask = plan.block_mask
@@ -73,7 +79,7 @@ def test_attention_read_in_place_equals_sdpa_over_each_rows_gathered_keys():
     generator = torch.Generator().manual_seed(1)
     keys, values = (torch.randn(heads, 40 * 16, dim, generator=generator) for _ in range(2))  # [H, slots, D]
     query = torch.randn(len(lengths), heads * groups, 1, dim, generator=generator)  # [B, Hq, 1, D]
-    plan = plan_flex_decode(rows, groups, keys.shape[1], torch.device("cpu"))
+    plan = build_flex_decode_reads(rows, groups, keys.shape[1], torch.device("cpu"))
     assert plan.order.tolist() == [2, 0, 4, 1, 3]  # 70, 1, 47, 16, 33 keys
     out = attend_flex(query, keys, values, plan, scale=dim**-0.5)  # [B, 1, Hq, D]
     expected = []
@@ -158,7 +164,7 @@ def test_paged_flex_leaves_rows_alike_a_row_alone_and_bfloat16_to_paged_sdpa(mon
     runs = flex_runs(monkeypatch)
     with PagedCache(model, num_blocks=32) as cache:  # rows 7 tokens apart: one group, one SDPA call
         model.generate(**ragged_batch([0, 7], 20), cache=cache, max_new_tokens=20, do_sample=False)
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)  # in groups of their own from here on
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", 0)  # in groups of their own from here on
     with PagedCache(model, num_blocks=32) as cache:  # one row: it attends from a view of its blocks
         model.generate(**ragged_batch([0], 20), cache=cache, max_new_tokens=5, do_sample=False)
     model.to(torch.bfloat16)

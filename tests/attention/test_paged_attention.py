@@ -8,8 +8,8 @@ from transformers import DynamicCache
 
 import hf_paged_cache.cache.layer_io as layer_io
 import hf_paged_cache.attention.decode as decode_module
-import hf_paged_cache.attention.read_planner as read_planner
-import hf_paged_cache.cache.step as step_module
+import hf_paged_cache.attention.reading as reading
+import hf_paged_cache.cache.forward as forward_module
 from hf_paged_cache import PagedCache, set_paged_attention
 from hf_paged_cache.attention import paged_sdpa, softmax
 from hf_paged_cache.cache.block_table import RowsView
@@ -96,20 +96,20 @@ def test_chunked_prefill_from_the_pool_matches_one_uncached_forward_at_every_rea
 
 
 @pytest.mark.parametrize("decode", ["sdpa", "products"], ids=["paged_sdpa", "paged_bmm"])
-@pytest.mark.parametrize("call_cost, most_groups", [(read_planner.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
+@pytest.mark.parametrize("call_cost, most_groups", [(reading.DECODE_CALL_COST, 1), (10, 2), (0, 3)])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "gpt_oss"])
 def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_cost, most_groups, decode):
     # a 20-token prefill, then one token per forward past the window of 12 (soft-capping on gemma2, sinks on
     # gpt_oss): the logits of one plain forward, whether the full-attention layers' decode steps attend the
     # rows (left padding 0, 7 and 13) in one padded call, in two groups or row by row, by SDPA or by products
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", call_cost)
     model = tiny_model(model_type)
     set_paged_attention(model, decode=decode)
     calls = count_calls(monkeypatch, paged_sdpa, "attend_decode")
     products = count_calls(monkeypatch, decode_module, "product_attention")
     grouping = []
-    original = read_planner.length_groups
-    monkeypatch.setattr(read_planner, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
+    original = reading.length_groups
+    monkeypatch.setattr(reading, "length_groups", lambda *args: grouping.append(original(*args)) or grouping[-1])
     batch = ragged_batch([0, 7, 13], 40, seed=3)
     assert_pieces_match_one_forward(model, batch, [(0, 20), *((t, t + 1) for t in range(20, 40))], num_blocks=48)
     assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step, every layer
@@ -121,11 +121,11 @@ def test_decode_steps_match_one_uncached_forward(monkeypatch, model_type, call_c
         assert min(len(groups) for groups in grouping) == 1
 
 
-@pytest.mark.parametrize("call_cost", [read_planner.DECODE_CALL_COST, 10, 0])
+@pytest.mark.parametrize("call_cost", [reading.DECODE_CALL_COST, 10, 0])
 def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost):
     # at two threads a decode step gathers rows of the storage seen as [H * slots, D] instead of selecting along
     # its slots: the same keys in another layout, so the same logits to the last bit, in 1, 2 or 3 groups of rows
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", call_cost)
     model = tiny_model("llama")
     set_paged_attention(model)
     batch = ragged_batch([0, 7, 13], 40, seed=3)
@@ -143,7 +143,7 @@ def test_decode_steps_gathering_rows_give_the_same_logits(monkeypatch, call_cost
     assert torch.equal(by_rows, along_slots)
 
 
-@pytest.mark.parametrize("call_cost", [read_planner.DECODE_CALL_COST, 0])
+@pytest.mark.parametrize("call_cost", [reading.DECODE_CALL_COST, 0])
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_decode_steps_splitting_query_heads_match_one_uncached_forward(monkeypatch, model_type, call_cost):
     # at two threads a decode step hands SDPA its query heads one by one ([n, Hq, 1, D], enable_gqa) instead of
@@ -156,7 +156,7 @@ def test_decode_steps_splitting_query_heads_match_one_uncached_forward(monkeypat
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(decode_module, "splits_query_heads", lambda: True)
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", call_cost)
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", call_cost)
     split_calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -208,14 +208,14 @@ def _every_grouping(rows: list[int]):
 
 
 def test_length_groups_finds_the_cheapest_grouping():
-    assert read_planner.length_groups([1000, 60, 150, 1000], 0) == [[1], [2], [0, 3]]
-    assert read_planner.length_groups([1000, 60, 150, 1000], 10_000) == [[0, 1, 2, 3]]
-    assert read_planner.length_groups([5], 256) == [[0]]
+    assert reading.length_groups([1000, 60, 150, 1000], 0) == [[1], [2], [0, 3]]
+    assert reading.length_groups([1000, 60, 150, 1000], 10_000) == [[0, 1, 2, 3]]
+    assert reading.length_groups([5], 256) == [[0]]
     generator = torch.Generator().manual_seed(0)
     for _ in range(30):  # against every set partition of up to 6 rows
         lengths = torch.randint(1, 400, (int(torch.randint(1, 7, (1,), generator=generator)),), generator=generator)
         lengths, call_cost = lengths.tolist(), int(torch.randint(0, 300, (1,), generator=generator))
-        groups = read_planner.length_groups(lengths, call_cost)
+        groups = reading.length_groups(lengths, call_cost)
         assert sorted(row for rows in groups for row in rows) == list(range(len(lengths)))
         cheapest = min(_grouping_cost(lengths, g, call_cost) for g in _every_grouping(list(range(len(lengths)))))
         assert _grouping_cost(lengths, groups, call_cost) == cheapest
@@ -225,7 +225,7 @@ def test_length_groups_finds_the_cheapest_grouping():
 def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(monkeypatch, model_type):
     # rows whose keys fill consecutive slots attend from views of the pool (no gather) while they do; once a row
     # takes a block that is not next to its last one, the step gathers as before: the logits never change
-    monkeypatch.setattr(read_planner, "ZERO_COPY_MAX_ROWS", 3)
+    monkeypatch.setattr(reading, "ZERO_COPY_MAX_ROWS", 3)
     model = tiny_model(model_type)
     set_paged_attention(model)
     views = count_calls(monkeypatch, StoredStates, "run")
@@ -236,7 +236,7 @@ def test_decode_from_views_of_consecutive_slots_matches_one_uncached_forward(mon
 
 def test_consecutive_runs():
     def runs(tables, num_tokens):
-        return read_planner.consecutive_runs(RowsView(tables, num_tokens, block_size=4))
+        return reading.consecutive_runs(RowsView(tables, num_tokens, block_size=4))
 
     # the blocks holding each row's tokens follow each other (a partly filled last block included)
     assert runs([[7, 8, 9], [4, 5]], [9, 5]) == [(28, 9), (16, 5)]
@@ -255,7 +255,7 @@ def test_a_row_alone_decodes_from_views_at_every_step(monkeypatch):
     inputs = torch.tensor([[5, 9, 3, 7] * 6])  # 24 tokens: the decode steps cross into a third block
     expected = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=DynamicCache(config=model.config))
     views = count_calls(monkeypatch, StoredStates, "run")
-    slot_maps = count_calls(monkeypatch, step_module, "position_slots")
+    slot_maps = count_calls(monkeypatch, forward_module, "position_slots")
     paged = model.generate(inputs, max_new_tokens=20, do_sample=False, cache=PagedCache(model))
     assert torch.equal(paged, expected)
     assert len(views) == 2 * 19 * model.config.num_hidden_layers  # keys and values, 19 decode steps, every layer

@@ -251,7 +251,7 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
             spec.prompt.insert(rng.randrange(len(spec.prompt) + 1), bad)
     outcomes: dict[int, tuple] = {}
     steps = [0]
-    last_plans: collections.deque[str] = collections.deque(maxlen=3)  # the latest steps as planned, shown when an outcome is wrong
+    last_plans: collections.deque[str] = collections.deque(maxlen=3)  # the latest steps, shown when an outcome is wrong
     with ContinuousBatcher(model, **batcher_kwargs) as batcher:
         with torch.no_grad():  # create every layer's storage, then fill it with NaN
             model(input_ids=torch.tensor([[5]]), cache=batcher.running_cache)

@@ -71,8 +71,8 @@ def test_a_plan_names_every_rows_role_and_prints_it(monkeypatch):
     model = tiny_model("llama")
     loop = [5, 6, 7, 8] * 6
     constraint = OneOf({11, 12, 13}, length=6)
-    with ContinuousBatcher(model, num_blocks=64, block_size=4, max_step_tokens=8,
-                           speculative=Speculator(3, adaptive=False, source=DraftModel(model, block_size=4))) as batcher:
+    speculator = Speculator(3, adaptive=False, source=DraftModel(model, block_size=4))  # the model drafts for itself
+    with ContinuousBatcher(model, num_blocks=64, block_size=4, max_step_tokens=8, speculative=speculator) as batcher:
         first = batcher.submit(loop, max_new_tokens=40, do_sample=False)
         wait_until(lambda: batcher.stats().steps.decode_steps > 0)  # it decodes, drafted by the model itself
         handles = [first, batcher.submit(loop, max_new_tokens=12, do_sample=False),

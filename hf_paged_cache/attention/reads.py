@@ -1,12 +1,12 @@
-"""What attention reads from the pool: the read plan `PagedCache.update` leaves for `paged_sdpa`.
+"""What attention reads from the pool: the reads `PagedCache.update` leaves for `paged_sdpa`.
 
 The dense path gathers a padded ``[B, heads, kv_length, dim]`` copy of every row's history for every layer
 and then computes attention over the padding too. Here `PagedCache.update` writes the new keys and values
 into the pool and leaves a `PagedAttentionInputs` in the attention kwargs instead (transformers passes the
 same dict to ``cache.update`` and to the attention function): the layer's storage, and where each row's keys
 lie in it. A prefill or a chunk carries, per row, the slots and positions of its real keys (`RowKeys`) and
-which of its new tokens are real (`QueryRows`), read row by row (`prefill`); a decode step carries one
-`DecodePlan` instead, made once per step for all layers (`read_planner.plan_decode`): its rows grouped by
+which of its new tokens are real (`QueryRows`), read row by row (`prefill`); a decode forward carries one
+`DecodeReads` instead, made once per forward for all layers (`reading.build_decode_reads`): its rows grouped by
 length over padded keys (`KeyGroup`), or each row's run of consecutive slots, the keys every row shares
 (`SharedPrefix`) and the rows' block tables, read as `decode` chooses. A packed forward carries one set of
 inputs per segment (`PackedAttentionInputs`).
@@ -20,7 +20,7 @@ import torch
 
 from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
-from .flex_decode import BlockRows, FlexDecodePlan, plan_flex_decode
+from .flex_decode import BlockRows, FlexDecodeReads, build_flex_decode_reads
 
 PAGED_INPUTS = "paged_attention_inputs"
 """The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
@@ -37,7 +37,7 @@ class RowKeys:
 
 @dataclass
 class QueryRows:
-    """The step's new tokens (queries) of each row: which are real, and where they sit."""
+    """The forward's new tokens (queries) of each row: which are real, and where they sit."""
 
     positions: torch.Tensor  # [q] logical positions of the new tokens (the same for every row)
     picked: list[torch.Tensor | None]  # per row: indices of its real new tokens; None = all of them
@@ -49,7 +49,7 @@ class QueryRows:
 
 @dataclass
 class SharedPrefix:
-    """Keys every row of a decode step shares, in consecutive slots: attended once for all rows (cascade).
+    """Keys every row of a decode forward shares, in consecutive slots: attended once for all rows (cascade).
 
     The rows' first `count` key positions read the same slots ``first .. first + count - 1`` (beams, or
     samples of one prompt, reading their prompt's blocks): one SDPA call over a view of them serves every
@@ -61,23 +61,23 @@ class SharedPrefix:
     count: int
     tail_slots: torch.Tensor  # [B * kv'] pool slots of the positions after the prefix, row after row
     # [B, 1, 1, kv'] float32 mask for those positions, additive (0 where seen, -inf where not): the SDPA
-    # kernel that returns the log-sum-exp takes no boolean mask; built once per step for all layers
+    # kernel that returns the log-sum-exp takes no boolean mask; built once per forward for all layers
     tail_mask: torch.Tensor
 
 
 @dataclass
 class KeyGroup:
-    """Rows of a decode step attended in one SDPA call, over their last `length` key positions (the cache's
+    """Rows of a decode forward attended in one SDPA call, over their last `length` key positions (the cache's
     column layout: a shorter row's first ones are padding, masked)."""
 
-    rows: torch.Tensor | None  # [n] which rows of the step, ascending; None = all of them, as one group
+    rows: torch.Tensor | None  # [n] which rows of the forward, ascending; None = all of them, as one group
     length: int  # kv: the key positions read for each of its rows
     mask: torch.Tensor | None  # [n, 1, 1, kv] True where the row's one query sees the key; None = it sees all
 
 
 @dataclass
-class DecodePlan:
-    """How a decode step's rows read their keys, planned once for all layers: rows grouped by length, each group's
+class DecodeReads:
+    """How a decode forward's rows read their keys, laid out once for all layers: rows grouped by length, each group's
     keys padded to its longest (`slots`, `groups`), or each row's run of consecutive slots (`runs`); the keys all
     rows share (`shared`, for the cascade) and the rows' block tables (`blocks`, for ``paged_flex``)."""
 
@@ -86,7 +86,7 @@ class DecodePlan:
     slots: torch.Tensor | None
     groups: list[KeyGroup]  # empty with `runs`
     # per row (first slot, count) when each row's keys fill consecutive slots, all seen by its query: then each
-    # row attends from a view of the pool, with no copy (up to read_planner.ZERO_COPY_MAX_ROWS rows)
+    # row attends from a view of the pool, with no copy (up to reading.ZERO_COPY_MAX_ROWS rows)
     runs: list[tuple[int, int]] | None = None
     # the keys all rows share, when enough of them sit in consecutive slots (`slots` and `groups` stay whole,
     # for attention that cannot merge partial softmaxes: soft-capping, sinks, dropout)
@@ -94,16 +94,17 @@ class DecodePlan:
     # the rows' block tables, when every key of a row is in its blocks from the first (no sliding window): what
     # `flex_plan` reads for ``paged_flex``
     blocks: BlockRows | None = None
-    # (heads, storage slots) -> `row_major_rows` of that storage: the same for every layer of the step
+    # (heads, storage slots) -> `row_major_rows` of that storage: the same for every layer of the forward
     _row_major: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
     # (query heads per key/value head, storage slots) -> `flex_plan`: likewise
-    _flex: dict[tuple[int, int], FlexDecodePlan] = field(default_factory=dict, repr=False)
+    _flex: dict[tuple[int, int], FlexDecodeReads] = field(default_factory=dict, repr=False)
 
-    def flex_plan(self, groups: int, capacity: int, device: torch.device) -> FlexDecodePlan:
-        """The step's block mask for ``paged_flex`` (`plan_flex_decode`), made by the first layer that asks."""
+    def flex_reads(self, groups: int, capacity: int, device: torch.device) -> FlexDecodeReads:
+        """The forward's block mask for ``paged_flex`` (`build_flex_decode_reads`), made by the first layer that
+        asks."""
         key = (groups, capacity)
         if key not in self._flex:
-            self._flex[key] = plan_flex_decode(self.blocks, groups, capacity, device)
+            self._flex[key] = build_flex_decode_reads(self.blocks, groups, capacity, device)
         return self._flex[key]
 
     def row_major_rows(self, heads: int, capacity: int) -> torch.Tensor:
@@ -137,14 +138,14 @@ class PagedAttentionInputs:
     keys: StoredStates  # the layer's stored keys, [H, slots, key_dim], read as the model's dtype
     values: StoredStates  # [H, slots, value_dim] likewise
     num_kv_heads: int
-    row_keys: RowKeys | None  # None with `decode_plan` (a decode step attends its rows in groups, not one by one)
+    row_keys: RowKeys | None  # None with `decode_plan` (a decode forward attends its rows in groups, not one by one)
     queries: QueryRows | None  # likewise
     window: int | None  # the layer's sliding window
     lock: SharedExclusiveLock  # held while reading the storage (another thread may grow it)
-    # ([B, H, q, key_dim], [B, H, q, value_dim]) the step's new keys and values, when some have no slot
-    # (a sliding window longer step): `row_keys` then covers the past only and the new ones come from here
+    # ([B, H, q, key_dim], [B, H, q, value_dim]) the forward's new keys and values, when some have no slot
+    # (a sliding window longer forward): `row_keys` then covers the past only and the new ones come from here
     new_states: tuple[torch.Tensor, torch.Tensor] | None = None
-    decode_plan: DecodePlan | None = None  # set for a decode step (one real new token per row, keys all in the pool)
+    decode_reads: DecodeReads | None = None  # a decode forward's (one real new token per row, keys all in the pool)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ class SegmentSpan:
 
 @dataclass
 class PackedAttentionInputs:
-    """A packed forward's segments (`hf_paged_cache.cache.packed_forward`): where each sits, and its own attention inputs."""
+    """A packed forward's segments (`hf_paged_cache.cache.packed_forward`): where each sits, and its own attention
+    inputs."""
 
     spans: list[SegmentSpan]
     inputs: list[PagedAttentionInputs]

@@ -1,10 +1,10 @@
-"""Planning a step's reads: which pool slots each row's attention reads, made once per step for all layers.
+"""Laying out a forward's reads: which pool slots each row's attention reads, made once per forward for all layers.
 
-The cache's step index (`hf_paged_cache.cache.step.StepIndex`, a `StepSlots`) knows where every position of the
-step lies in the pool; from it these plans say how attention reads them: each row's real keys and queries for a
-row-by-row step (`plan_row_keys`, `plan_queries`), or, for a decode step (one real new token per row, every key
-in the pool), a `DecodePlan` (`plan_decode`): the rows grouped by length (`length_groups`), each row's run of
-consecutive slots (`consecutive_runs`), the keys all rows share (cascade) and the rows' block tables.
+The cache's forward index (`hf_paged_cache.cache.forward.SlotIndex`, a `ForwardSlots`) knows where every position of the
+forward lies in the pool; from it these functions say how attention reads them: each row's real keys and queries for a
+row-by-row forward (`build_row_keys`, `build_query_rows`), or, for a decode forward (one real new token per row, every
+key in the pool), a `DecodeReads` (`build_decode_reads`): the rows grouped by length (`length_groups`), each row's run
+of consecutive slots (`consecutive_runs`), the keys all rows share (cascade) and the rows' block tables.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import torch
 
 from ..pool.block_pool import NULL_BLOCK
 from .flex_decode import BlockRows
-from .read_plan import DecodePlan, KeyGroup, QueryRows, RowKeys, SharedPrefix
+from .reads import DecodeReads, KeyGroup, QueryRows, RowKeys, SharedPrefix
 
 DECODE_CALL_COST = 256
-"""What one SDPA call of a decode step costs beyond its keys, in key positions per row (`length_groups`).
+"""What one SDPA call of a decode forward costs beyond its keys, in key positions per row (`length_groups`).
 
 Measured on a 2-core CPU (SmolLM2-135M, float32): one row's gathers and SDPA call in a per-row path cost
-about as much as gathering and attending over 300 more key positions in one padded call. A decode step groups
+about as much as gathering and attending over 300 more key positions in one padded call. A decode forward groups
 its rows by length so that each group's rows, padded to its longest, cost the least in all: one group of
-every row when they hold little padding, a group per row when their lengths differ widely. Decode steps of
+every row when they hold little padding, a group per row when their lengths differ widely. Decode forwards of
 SmolLM2-135M (2-core AMD EPYC, one cache state, forwards alternated): 40 rows of 50 to 450 tokens ran 1.17x
 (1 thread) and 1.16x (2 threads) faster grouped than in one padded call, 24 rows of 50 to 350 tokens 1.11x
 and 1.09x, and 1.07x to 1.12x faster than with a group per row; a cost of 128 or 512 ran within 5% of 256.
@@ -31,21 +31,21 @@ and 1.09x, and 1.07x to 1.12x faster than with a group per row; a cost of 128 or
 
 
 ZERO_COPY_MAX_ROWS = 16
-"""Rows up to which a decode step whose rows each hold their keys in consecutive slots attends each row from a
-view of the pool (`DecodePlan.runs`) rather than gathering all rows into one padded SDPA call.
+"""Rows up to which a decode forward whose rows each hold their keys in consecutive slots attends each row from a
+view of the pool (`DecodeReads.runs`) rather than gathering all rows into one padded SDPA call.
 
-A view saves the gather (the bytes `DynamicCache`'s ``cat`` moves at every step) but costs one SDPA call per
+A view saves the gather (the bytes `DynamicCache`'s ``cat`` moves at every forward) but costs one SDPA call per
 row. Measured per layer on a 2-core AMD EPYC (SmolLM2-135M shapes: 3 KV heads of 64, 9 query heads; float32;
 views against gather and one call): one row of 512 tokens 73-137 us against 95-148 us; 16 rows of 100 to 400
 tokens 765-1,252 us against 771-2,085 us (one and two threads; measured when the pool was token-major, whose
 views SDPA read more slowly than the head-major ones of today, so the choice holds). A fresh cache's rows start in consecutive
-blocks, and a row alone keeps them (`generate` at batch size 1 reads views at every step); rows of a batch
+blocks, and a row alone keeps them (`generate` at batch size 1 reads views at every forward); rows of a batch
 lose them once one takes a block that another row's run holds the next of.
 """
 
 
 CASCADE_MIN_SHARED = 64
-"""Key positions all rows of a decode step must share, in consecutive slots, for the step to attend them once
+"""Key positions all rows of a decode forward must share, in consecutive slots, for the forward to attend them once
 for all rows (`SharedPrefix`) rather than gather them into every row.
 
 The cascade costs a second SDPA call and a few small ops to merge (about 40 us per layer here) and saves
@@ -55,13 +55,14 @@ the copy of the shared keys and values into every row: on SmolLM2-135M shapes (3
 """
 
 
-class StepSlots(Protocol):
-    """Where one step's positions lie in the pool, as the planners read it (`hf_paged_cache.cache.step.StepIndex`
+class ForwardSlots(Protocol):
+    """Where one forward's positions lie in the pool, as the functions here read it
+    (`hf_paged_cache.cache.forward.SlotIndex`
     is one)."""
 
-    rows: BlockRows  # the group's block tables with the step's blocks taken
+    rows: BlockRows  # the group's block tables with the forward's blocks taken
     is_real: torch.Tensor  # [B, L + q] False where a position is padding
-    past_length: int  # L: positions before this step's
+    past_length: int  # L: positions before this forward's
     new_from_states: bool  # some real new tokens have no slot: attention reads new K/V from the states
     repeats: list[int] | None  # per row, the first row it repeats
 
@@ -77,7 +78,7 @@ class StepSlots(Protocol):
         ...
 
 
-def plan_row_keys(index: StepSlots, offset: int) -> RowKeys:
+def build_row_keys(index: ForwardSlots, offset: int) -> RowKeys:
     """Each row's real keys in positions ``offset:pool_end``, as pool slots and positions (no padding), with one
     nonzero and one split for the whole batch."""
     real = index.is_real[:, offset : index.pool_end]  # [B, kv]
@@ -91,8 +92,8 @@ def plan_row_keys(index: StepSlots, offset: int) -> RowKeys:
     return RowKeys(slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans)
 
 
-def plan_queries(index: StepSlots) -> QueryRows:
-    """The step's new tokens per row: positions, the indices of the real ones, their first and last."""
+def build_query_rows(index: ForwardSlots) -> QueryRows:
+    """The forward's new tokens per row: positions, the indices of the real ones, their first and last."""
     past, length = index.past_length, index.is_real.shape[1]
     new_real = index.is_real[:, past:]  # [B, q]
     positions = torch.arange(past, length, device=index.is_real.device)  # [q]
@@ -109,15 +110,15 @@ def plan_queries(index: StepSlots) -> QueryRows:
     return QueryRows(positions, picked, spans, index.repeats)
 
 
-def plan_decode(index: StepSlots, offset: int, window: int | None, views: bool) -> DecodePlan | None:
-    """For a decode step (one real new token per row, every key in the pool): how its rows read their keys, else
+def build_decode_reads(index: ForwardSlots, offset: int, window: int | None, views: bool) -> DecodeReads | None:
+    """For a decode forward (one real new token per row, every key in the pool): how its rows read their keys, else
     None.
 
     Positions ``offset:pool_end`` in the cache's column layout; the mask keeps real keys inside the window of the
     query at position ``L``. `views`: whether the storage can be read as views (stored as the model computes).
     """
     if index.is_real.shape[1] - index.past_length != 1 or index.new_from_states:
-        return None  # not a decode step
+        return None  # not a decode forward
     if not bool(index.is_real[:, -1].all()):
         return None  # a padding query, which the per-row path leaves zero
     mask = index.is_real[:, offset:]  # [B, kv]
@@ -127,17 +128,17 @@ def plan_decode(index: StepSlots, offset: int, window: int | None, views: bool) 
     elif views and offset == 0 and mask.shape[0] <= ZERO_COPY_MAX_ROWS:
         runs = consecutive_runs(index.rows)
         if runs is not None:
-            return DecodePlan(None, [], runs)
-    plan = DecodePlan(*_key_groups(index, offset, mask))
+            return DecodeReads(None, [], runs)
+    reads = DecodeReads(*_key_groups(index, offset, mask))
     if views and window is None and mask.device.type == "cpu":
-        plan.shared = _shared_prefix(index, offset, mask)
+        reads.shared = _shared_prefix(index, offset, mask)
     if views and window is None and offset == 0:
-        plan.blocks = index.rows  # every key of a row in its blocks from the first: `paged_flex` reads them
-    return plan
+        reads.blocks = index.rows  # every key of a row in its blocks from the first: `paged_flex` reads them
+    return reads
 
 
-def _key_groups(index: StepSlots, offset: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[KeyGroup]]:
-    """The decode step's rows grouped by how many key positions they read (`length_groups`), and the pool
+def _key_groups(index: ForwardSlots, offset: int, mask: torch.Tensor) -> tuple[torch.Tensor, list[KeyGroup]]:
+    """The decode forward's rows grouped by how many key positions they read (`length_groups`), and the pool
     slots of every group's keys, group after group.
 
     Args:
@@ -162,8 +163,8 @@ def _key_groups(index: StepSlots, offset: int, mask: torch.Tensor) -> tuple[torc
     return torch.cat(group_slots), groups
 
 
-def _shared_prefix(index: StepSlots, offset: int, mask: torch.Tensor) -> SharedPrefix | None:
-    """The decode step's keys from `offset` that every row reads from the same consecutive slots, when there are
+def _shared_prefix(index: ForwardSlots, offset: int, mask: torch.Tensor) -> SharedPrefix | None:
+    """The decode forward's keys from `offset` that every row reads from the same consecutive slots, when there are
     at least `CASCADE_MIN_SHARED` of them (never the new token: each row keeps a tail)."""
     slots = index.read_slots[:, offset:]  # [B, kv]
     if slots.shape[0] < 2:
@@ -185,7 +186,7 @@ def length_groups(lengths: list[int], call_cost: int) -> list[list[int]]:
     the group's longest length plus `call_cost`, each group's rows ascending.
 
     An optimal grouping takes rows in order of length, so a dynamic program over that order finds it, in
-    ``O(B^2)`` steps for ``B`` rows (a decode step plans this once for all its layers).
+    ``O(B^2)`` forwards for ``B`` rows (a decode forward does this once for all its layers).
 
     Args:
         lengths: per row, the key positions it reads (padded to its group's longest).
@@ -209,7 +210,7 @@ def length_groups(lengths: list[int], call_cost: int) -> list[list[int]]:
 
 def consecutive_runs(rows: BlockRows) -> list[tuple[int, int]] | None:
     """Each row's ``(first slot, count)`` when its stored tokens fill consecutive slots (its blocks follow each
-    other); else None. Read from the block lists, with no tensor op (a decode step checks it once for all its
+    other); else None. Read from the block lists, with no tensor op (a decode forward checks it once for all its
     layers).
     """
     size, runs = rows.block_size, []
