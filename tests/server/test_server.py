@@ -270,11 +270,11 @@ def test_bmm_decode_flag_runs_the_batcher_on_paged_bmm(model_dir, monkeypatch):
 def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_dir, reference, monkeypatch, caplog):
     """``--flex-decode`` serves on ``paged_flex``: its kernel compiled at start-up, then decode steps read the
     blocks in place (every step's rows in groups of their own here); greedy answers equal `generate` alone."""
-    import hf_paged_cache.attention.read_planner as read_planner
+    import hf_paged_cache.attention.reading as reading
     from hf_paged_cache.attention import flex_decode
     from hf_paged_cache.server.launch import build_parser, load_batcher
 
-    monkeypatch.setattr(read_planner, "DECODE_CALL_COST", 0)
+    monkeypatch.setattr(reading, "DECODE_CALL_COST", 0)
 
     model, tokenizer = reference
     prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
