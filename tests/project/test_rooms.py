@@ -79,3 +79,9 @@ def test_no_module_or_script_is_too_long_to_read_at_once():
 def test_the_deprecated_top_level_shims_are_gone():
     assert not (PACKAGE / "plan.py").exists() and not (PACKAGE / "config_limits.py").exists()
     assert not (PACKAGE / "serving").exists(), "serving/ was split into engine/, speculative/ and server/"
+
+
+def test_every_folder_of_the_package_is_a_package():
+    """A folder without ``__init__.py`` imports in a checkout (a namespace package) but is left out of a wheel."""
+    folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    assert not [str(folder) for folder in folders if not (folder / "__init__.py").exists()]
