@@ -34,6 +34,12 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     result = _mkdocs_build(MKDOCS_YML, tmp_path / "site")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").exists()
+    # the route diagram reaches the page as a mermaid block (rendered in the browser), not as a code listing
+    page = (tmp_path / "site" / "architecture" / "index.html").read_text()
+    diagram = re.search(r'<pre class="mermaid"><code>(.*?)</code></pre>', page, re.S)
+    assert diagram, "docs/architecture.md's route diagram is not a mermaid block"
+    for part in ("EngineClient", "Inbox", "Scheduler", "StepRoles", "StepExecutor", "PagedCache", "KVPool"):
+        assert part in diagram.group(1), part
 
 
 def test_strict_fails_on_unlisted_pages_and_broken_links() -> None:
