@@ -317,7 +317,7 @@ class Request:
             tokens = [*self.tokens, *after]
             ids = torch.tensor([tokens], device=logits.device)  # [1, n]
             scores = logits.unsqueeze(0).float()  # [1, V]
-            generated = [*self.generated, *after]
+            generated = [*self.generated, *after] if self.constraints else []
             for constraint in self.constraints:
                 allowed = constraint.mask(generated, scores.shape[-1]).to(scores.device)  # [V]
                 scores = scores + _BIAS.to(scores.device, scores.dtype)[allowed.int()]  # -inf banned, 0 allowed
