@@ -46,6 +46,11 @@ TINY_CONFIGS: dict[str, dict] = {
                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
     "cohere2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
+    # chunked attention (3 layers in chunks of 8, stored as windows of 8), then a full-attention layer without
+    # RoPE whose temperature tuning asks the cache for its length in the middle of the forward; experts
+    "llama4_text": dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8,
+                        num_local_experts=2, num_experts_per_tok=1),
 }
 
 

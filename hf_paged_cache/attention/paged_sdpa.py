@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..pool.memory import own_mask_layer_types
 from .decode import DECODE_KERNELS, attend_decode
 from .prefill import attend_rows
 from .reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
@@ -185,7 +186,17 @@ def set_paged_attention(model: PreTrainedModel, decode: str = "sdpa") -> None:
     - Falcon does not dispatch attention through `AttentionInterface`: transformers would log a warning
       and silently keep its own attention. This raises instead. `PagedCache` is still exact with
       Falcon's default attention.
+
+    A model with chunked-attention layers (Llama 4) raises too: they attend with the chunked mask
+    transformers builds, which the paged attentions do not apply; `PagedCache` is exact with its default
+    attention.
     """
+    own_masks = own_mask_layer_types(model.config)
+    if own_masks:
+        raise NotImplementedError(
+            f"{model.config.model_type!r} has {', '.join(own_masks)} layers, whose mask {ATTENTION_NAME!r} does not "
+            f"apply; use PagedCache with the model's default attention instead"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise NotImplementedError(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "

@@ -6,11 +6,12 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
-from .inputs import PendingInputs, repeated_rows
+from .inputs import PendingInputs, forward_running, repeated_rows
 from .layer import PagedLayer
 from .forward import Forward, SlotIndex, build_index, keep_from, take_group_blocks, prefix_token_ids
 
@@ -31,7 +32,8 @@ class ForwardLifecycle:
     with `manual_commit`, only on `commit`. Until then readers see `committed` rows and `committed_length`,
     the positions before it. A forward that raises is rolled back by the hook at once; a ``KeyboardInterrupt``,
     which no hook sees, by the next change or by the next read on the thread it happened on
-    (`settle_failed_here`).
+    (`settle_failed_here`); a read from inside the model's forward, still running (`forward_running`), changes
+    nothing.
 
     When a first forward's rows repeat each other (``generate`` repeats each prompt for
     ``num_return_sequences`` and ``num_beams``), each distinct row is stored once and its repeats share its
@@ -44,10 +46,17 @@ class ForwardLifecycle:
     so nothing unverified is ever found by prefix; sliding windows keep what the shortest outcome needs.
     """
 
-    def __init__(self, batch: PagedBatch, layers: Sequence[PagedLayer], manual_commit: bool):
+    def __init__(
+        self,
+        batch: PagedBatch,
+        layers: Sequence[PagedLayer],
+        manual_commit: bool,
+        model: PreTrainedModel | None = None,
+    ):
         self.batch = batch
         self.layers = layers
         self.manual_commit = manual_commit  # a complete forward waits for `commit` or `settle`
+        self.model = model  # the hooked model (None for a cache built from a config)
         self.forward: Forward | None = None  # the forward in progress, if any
         self.pending = PendingInputs()  # the next forward's padding mask, ids and positions
         self.drafts = 0  # the next forward's last new tokens per row that `commit` may drop (`expect_drafts`)
@@ -244,10 +253,12 @@ class ForwardLifecycle:
 
     def settle_failed_here(self) -> None:
         """Before a read: roll back a forward left over by a failed forward on this thread; other threads' reads
-        change nothing."""
+        change nothing, and neither does a read from inside the hooked forward itself (its end hook settles it)."""
         forward = self.forward
         here = forward is not None and forward.thread == threading.get_ident()
         if here and not (self.manual_commit and forward.complete):
+            if forward.commit_at_end and self.model is not None and forward_running(self.model):
+                return
             self.settle()
 
     def reset(self) -> None:

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
+
+from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 
 _HOOK_ATTRIBUTE = "_hf_paged_cache_input_hook"  # the model's two hook handles, set once per model
 _ROOT_ATTRIBUTE = "_hf_paged_cache_prefix_root"  # the model's prefix-key root, set once per model
@@ -215,6 +218,34 @@ def install_input_hook(model: PreTrainedModel) -> None:
                 model.register_forward_hook(_end_hook(names), with_kwargs=True, always_call=True),
             )
             object.__setattr__(model, _HOOK_ATTRIBUTE, handles)
+
+
+_MODULE_CALL = torch.nn.Module._call_impl.__code__  # the frame every hooked model's forward runs under
+
+
+def forward_running(model: PreTrainedModel) -> bool:
+    """Whether `model`'s forward is running on this thread: a read from inside it (a model that asks its cache
+    for its length mid-forward, as Llama 4's NoPE layers do), not after it was interrupted.
+
+    A ``KeyboardInterrupt`` reaches no forward hook, so only the stack tells a forward still in flight from one
+    left unfinished: this looks for `model`'s own ``Module._call_impl`` frame on this thread's stack.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is model:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def refuse_paged_attention(attention: str | None, own_mask_layers: Sequence[str]) -> None:
+    """Raise `NotImplementedError` when a forward would run a paged attention (`attention`) over layers that
+    attend with a mask of the model's own (`own_mask_layers`, e.g. chunked attention): it would mask by window."""
+    if own_mask_layers and attention in PAGED_ATTENTION_NAMES:
+        raise NotImplementedError(
+            f"{attention!r} cannot attend {', '.join(own_mask_layers)} layers (the model's own mask): keep the "
+            f"model's default attention with this PagedCache"
+        )
 
 
 def prefix_root(model: PreTrainedModel) -> bytes:

@@ -10,11 +10,11 @@ import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 
 from ..pool.kv_pool import KVPool
-from ..pool.memory import KVLayout, attention_windows
+from ..pool.memory import KVLayout, attention_windows, own_mask_layer_types
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
 from .forward_lifecycle import ForwardLifecycle
-from .inputs import install_input_hook, prefix_root
+from .inputs import install_input_hook, prefix_root, refuse_paged_attention
 from .layer import PagedLayer
 from .layer_io import dense_layer, store_layer
 from .sharing import BlockSharing
@@ -77,12 +77,13 @@ class PagedCache(BlockSharing, Cache):
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
         windows = attention_windows(config)  # raises NotImplementedError for unsupported models
+        self._own_masks = own_mask_layer_types(config)  # layer kinds no paged attention can run (chunked)
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
-        self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit)
+        self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit, model)
         # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
         # rows[i] (`repeat_rows_after_forward`)
         self._rows_after_forward: torch.Tensor | None = None
@@ -186,6 +187,7 @@ class PagedCache(BlockSharing, Cache):
         keys and values straight from the pool (no dense copy). A forward left unfinished by a failed forward
         is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
+        refuse_paged_attention(attention, self._own_masks)  # before anything changes
         self.lifecycle.drop_unfinished()
         self.lifecycle.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 

@@ -71,14 +71,20 @@ def format_memory(num_bytes: float, spec: str = ".1f") -> str:
     raise AssertionError("unreachable")
 
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Layers that attend with a mask of the model's own: a chunked layer (Llama 4) is stored as a sliding window of
+# its chunk size (a query at p sees keys back to the start of its chunk, at most C - 1 before it) and attends
+# with the chunked mask transformers builds, over the dense keys and values: the paged attentions, which mask by
+# causality and sliding window only, cannot run it.
+OWN_MASK_LAYER_TYPES = ("chunked_attention",)
 
 
 def attention_windows(config: PreTrainedConfig) -> list[int | None]:
     """Each decoder layer's sliding window (None for full attention), read from `config`.
 
-    Raises `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that
-    are not plain attention (linear attention, chunked attention, KV sharing, ...).
+    A chunked-attention layer's window is its chunk size (`OWN_MASK_LAYER_TYPES`). Raises
+    `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that are not plain
+    attention (linear attention, KV sharing, ...).
     """
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
@@ -92,6 +98,13 @@ def attention_windows(config: PreTrainedConfig) -> list[int | None]:
             f"{config.model_type!r} has layers of type {unsupported}"
         )
     return [kwargs.get("sliding_window") for kwargs in layer_kwargs]
+
+
+def own_mask_layer_types(config: PreTrainedConfig) -> list[str]:
+    """The kinds of `config`'s decoder layers that attend with a mask of the model's own (`OWN_MASK_LAYER_TYPES`):
+    such a model keeps its default attention over a `PagedCache`, never a paged one."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return sorted(set(layer_types) & set(OWN_MASK_LAYER_TYPES))
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def test_not_a_model_or_config():
     [
         ("t5", "decoder-only models; 't5' is an encoder-decoder model"),
         ("qwen3_next", "'qwen3_next' has layers of type \\['linear_attention'\\]"),
-        ("llama4_text", "'llama4_text' has layers of type \\['chunked_attention'\\]"),
+        ("gemma3n_text", "'gemma3n_text' has layers of type \\['dummy'\\]"),  # KV sharing
     ],
 )
 def test_unsupported_architectures_are_named(model_type, message):
