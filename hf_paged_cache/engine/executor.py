@@ -58,11 +58,11 @@ class StepExecutor:
             else:
                 result = self._run_plain(plan.without_drafts())
                 result.drafts_dropped = plan.drafts is not None
-            result.seconds = time.perf_counter() - start + plan.drafting_seconds
-            return result
         finally:
             seconds = time.perf_counter() - start + plan.drafting_seconds
             self.times = self.times.adding(plan, seconds, picked)
+        result.seconds = seconds
+        return result
 
     def idle(self) -> None:
         """Nothing runs (the loop waits, or ends): let the mask fills in flight end."""

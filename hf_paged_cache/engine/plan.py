@@ -93,9 +93,6 @@ class StepPlan:
         """The same step with one token per decode row (what runs when a speculative step is dropped)."""
         return replace(self, drafts=None)
 
-    def with_constrained(self, constrained: tuple[ConstrainedRow, ...]) -> StepPlan:
-        return replace(self, constrained=constrained)
-
     def __repr__(self) -> str:
         constrained = {row.request for row in self.constrained}
         kind = "packed" if self.packed else "apart"

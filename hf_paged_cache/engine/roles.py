@@ -17,6 +17,7 @@ speculator's acceptance and cost line), and whether the model turned out unable 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from transformers import PreTrainedModel
 
@@ -47,7 +48,7 @@ class StepRoles:
         plan = StepPlan(running, running_cache, chunks, packed=packed, drafts=drafts, drafting_seconds=drafting)
         constrained = tuple(ConstrainedRow(request, constraint, tuple(request.generated))
                             for request in plan.choosing for constraint in request.constraints)
-        return plan.with_constrained(constrained)
+        return replace(plan, constrained=constrained)
 
     def learn(self, plan: StepPlan, result: StepResult) -> None:
         """Take what the step of `plan` taught: the model cannot pack; the drafts each row kept and the cost of a
