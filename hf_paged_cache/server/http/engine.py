@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList
 
-from ...structured import CompiledGrammar, GrammarError, Grammars, GrammarSpec, grammar_constraint
 from ...engine.batcher import ContinuousBatcher
 from ...engine.request import RequestHandle
 from ...engine.validation import flat_token_ids
+from ...structured import CompiledGrammar, GrammarError, GrammarLogitsProcessor, Grammars, GrammarSpec
 from .detokenize import IncrementalDetokenizer
 from .generation import ChoiceStream, Generation
 from .metrics import ServerMetrics
@@ -194,9 +194,8 @@ class EngineClient:
                                                        options.frequency_penalty))
         if options.grammar is not None:
             on_mask = None if self.metrics is None else self.metrics.grammar_mask_seconds.observe
-            mask, stop = grammar_constraint(options.grammar, prompt_length, on_mask)
-            processors.append(mask)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([stop])
+            # the engine ends the row when the grammar is complete (`Constraint.is_complete`): no GrammarStop
+            processors.append(GrammarLogitsProcessor(options.grammar, prompt_length, on_mask))
         if processors:
             kwargs["logits_processor"] = processors
         if options.seed is not None:
