@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import torch
 from repo_paths import DATA
 from tiny_models import tiny_model
 from transformers import AutoTokenizer, DynamicCache
+
+from hf_paged_cache.bench.server_process import free_port
 
 KEY = "test-key-0123456789"
 NAME = "tiny-llama"
@@ -129,12 +130,6 @@ def run_servers(commands: list[tuple[Path | str, ...]],
             except subprocess.TimeoutExpired:
                 server.process.kill()
                 server.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class ServerDidNotStart(AssertionError):
