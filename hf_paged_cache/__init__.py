@@ -8,9 +8,9 @@ from .attention import (
     set_paged_attention,
 )
 from .cache import CacheStats, GroupStats, PagedCache
+from .engine import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
-from .engine import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 
 register_paged_attention()
 

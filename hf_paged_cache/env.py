@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .heap import glibc_malloc
 from .kernels import cpu_capability, mkl_takes_fast_path, packed_linears_supported, packing_probe
 from .kernels.cpu_capability import CAPABILITY_ENV, cpu_model_name
 from .models import fast_dtype
-from .heap import glibc_malloc
 
 CXX_COMPILERS = ("g++", "c++", "clang++")
 """What inductor looks for to compile `paged_flex`'s kernel on a CPU (any one will do)."""

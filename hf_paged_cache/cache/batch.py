@@ -9,8 +9,8 @@ import torch
 
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables
-from .prefix import adopt_longest_prefix
 from .forward import ForwardUndo, keep_from
+from .prefix import adopt_longest_prefix
 
 
 class PagedBatch:

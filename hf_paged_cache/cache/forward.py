@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.reads import DecodeReads, QueryRows, RowKeys
 from ..attention.reading import build_decode_reads, build_query_rows, build_row_keys
+from ..attention.reads import DecodeReads, QueryRows, RowKeys
 from ..errors import PoolExhaustedError
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, RowsView, TablesSavepoint, slots_for_positions
+
 
 @dataclass
 class SlotIndex:

@@ -11,9 +11,9 @@ from transformers import PreTrainedModel
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
+from .forward import Forward, SlotIndex, build_index, keep_from, prefix_token_ids, take_group_blocks
 from .inputs import PendingInputs, forward_running, repeated_rows
 from .layer import PagedLayer
-from .forward import Forward, SlotIndex, build_index, keep_from, take_group_blocks, prefix_token_ids
 
 
 class ForwardLifecycle:

@@ -29,12 +29,12 @@ from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
 from ..speculative.draft_model import DraftModel
+from ..speculative.speculator import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
 from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
 from .roles import StepRoles
 from .scheduler import Scheduler
-from ..speculative.speculator import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
 from .step_result import StepTimes
 from .validation import flat_token_ids
 

@@ -31,6 +31,7 @@ from .request import Request
 from .step_result import StepResult
 from .token_choice import attempts, choose_for_chunk, choose_rows
 
+
 def run_apart(forwards: StepForwards, plan: StepPlan, result: StepResult) -> None:
     """The plan's decode rows in one forward, then each prompt chunk in its own, isolated as the module
     docstring says; what each request kept, or why it failed, in `result`."""

@@ -50,8 +50,8 @@ from .admission import lifetimes_in_flight, pool_holds
 from .admission_rules import blocks_needed, fills_a_group, fits_with_headroom, never_fits, waits_for_prefix
 from .inbox import Inbox
 from .outcomes import Counts, Outcomes
-from .request import Request
 from .plan import Chunk, StepPlan
+from .request import Request
 from .roles import StepRoles
 from .step_result import StepResult
 

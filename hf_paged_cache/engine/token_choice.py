@@ -18,11 +18,11 @@ from typing import TypeVar
 import torch
 
 from ..errors import PoolExhaustedError
-from .request import Choice, Request
 from ..speculative.speculator import Drafts
 from ..speculative.verification import kept_picks
 from .logprobs import token_logprobs
 from .plan import Chunk
+from .request import Choice, Request
 from .step_result import StepResult
 
 T = TypeVar("T")

@@ -190,8 +190,8 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     import torch
 
     from ..attention import set_paged_attention
-    from ..kernels import mkl_takes_fast_path
     from ..engine.batcher import ContinuousBatcher
+    from ..kernels import mkl_takes_fast_path
 
     dtype = resolve_dtype(options.dtype, options.device)
     logger.info("loading %s (%s on %s)", options.model, dtype, options.device)

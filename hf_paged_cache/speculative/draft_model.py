@@ -20,10 +20,10 @@ from transformers import PreTrainedModel
 
 from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.packed_caches import PackingUnsupported, Segment
+from ..cache.packed_forward import packed_forward
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from ..pool.kv_pool import KVPool
-from ..cache.packed_forward import packed_forward
 from .proposers import DraftRow
 
 

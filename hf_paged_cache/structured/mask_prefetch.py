@@ -13,8 +13,8 @@ ask for) is filled by the call as before.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol

@@ -16,8 +16,6 @@ from .engine import EngineClient
 from .generation import ChoiceResult, Generation
 from .protocol import (
     AssistantMessage,
-    FunctionCall,
-    ToolCall,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -25,6 +23,8 @@ from .protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
 )
 from .tool_deltas import ToolDeltas

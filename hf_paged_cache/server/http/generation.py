@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ...errors import RequestCancelled
 from ...engine.logprobs import TokenLogprob
 from ...engine.request import RequestHandle
+from ...errors import RequestCancelled
 from .detokenize import IncrementalDetokenizer
 from .metrics import ServerMetrics
 from .stop_strings import StopStringMatcher

@@ -19,8 +19,8 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.schema import LoggingConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.schema import LoggingConfig
 
 from ..launch import build_parser
 from .ingress import Ingress

@@ -26,9 +26,9 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from ...engine.request import RequestHandle
 from ...errors import BatcherClosed, EngineUnavailable
 from ..http.errors import APIError
-from ...engine.request import RequestHandle
 from .replica import EngineFacts, Event
 
 logger = logging.getLogger("hf_paged_cache.serve")

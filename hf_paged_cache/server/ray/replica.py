@@ -28,9 +28,9 @@ from typing import Any
 from ray import serve
 
 from ...engine.batcher import BatcherStats
+from ...engine.request import RequestHandle
 from ..http.errors import api_error_for
 from ..launch import load_batcher
-from ...engine.request import RequestHandle
 from .router import SUMMARY_STAT
 from .summary import PrefixSummary
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ...cache.inputs import prefix_root
-from ...pool.block_pool import block_keys
 from ...engine.batcher import ContinuousBatcher
+from ...pool.block_pool import block_keys
 
 KEY_BYTES = 8  # of each 16-byte block key
 DEFAULT_LIMIT = 4096  # keys per summary

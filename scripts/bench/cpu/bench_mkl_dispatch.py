@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from hf_paged_cache.attention.decode import splits_query_heads
 from hf_paged_cache.bench import format_table, write_json
-from hf_paged_cache.kernels import mkl_takes_fast_path
 from hf_paged_cache.heap import pad_heap
+from hf_paged_cache.kernels import mkl_takes_fast_path
 
 KINDS = ("stock", "preloaded")
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

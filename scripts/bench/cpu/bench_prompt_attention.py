@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged_cache.bench import format_table, write_json
-from hf_paged_cache.kernels.packed_linear import packed_linears_supported
 from hf_paged_cache.heap import pad_heap
+from hf_paged_cache.kernels.packed_linear import packed_linears_supported
 
 VARIANTS = ("sdpa", "products", "flex")
 

@@ -118,8 +118,8 @@ from hf_paged_cache.bench import (
     variant_attention,
     write_json,
 )
-from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.heap import pad_heap
+from hf_paged_cache.kernels import pack_linears
 
 DEFAULT_VARIANTS = ("dynamic", "paged", "paged_sdpa")  # paged_bmm, paged_flex when asked: not the library's default
 STEP_VARIANTS = ("dynamic", "paged_sdpa")  # --per-step's default: the first is the reference

@@ -62,11 +62,11 @@ from hf_paged_cache.bench import (
 from hf_paged_cache.bench.timing import in_fresh_thread
 from hf_paged_cache.cache import layer_io
 from hf_paged_cache.cache.paged_cache import PagedCache
+from hf_paged_cache.engine import forwards
+from hf_paged_cache.heap import pad_heap
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.kernels.packed_linear import PackedLinear
 from hf_paged_cache.pool.kv_format import StoredStates
-from hf_paged_cache.engine import forwards
-from hf_paged_cache.heap import pad_heap
 
 PARTS = ("linear", "attention", "gather", "sdpa", "cache update", "writes", "other")
 STEP_KINDS = ("decode", "prompt")
