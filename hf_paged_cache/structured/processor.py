@@ -127,10 +127,6 @@ class GrammarLogitsProcessor(LogitsProcessor):
         back); False when they leave the grammar."""
         return self.matcher_for(generated) is not None
 
-    def is_complete(self, generated: Sequence[int]) -> bool:
-        """Whether the grammar is complete after `generated` and nothing may follow them."""
-        return self.finished(generated)
-
     def prefetched(self, tokens: Sequence[int], words: numpy.ndarray) -> None:
         """Keep `words` ``[W / 32]``, the mask after the generated `tokens`, for the call that asks for it (the
         caller holds `lock`). At most `MAX_MATCHERS` are kept: a step dropped leaves its masks unused."""
@@ -160,10 +156,10 @@ class GrammarLogitsProcessor(LogitsProcessor):
             self._matchers.remove(min(self._matchers, key=lambda m: m.used))  # the least recently used
         return matcher
 
-    def finished(self, tokens: Sequence[int]) -> bool:
-        """Whether the grammar is complete after `tokens` and nothing may follow them."""
+    def is_complete(self, generated: Sequence[int]) -> bool:
+        """Whether the grammar is complete after `generated` and nothing may follow them."""
         with self.lock:
-            matcher = self._matcher_for(tokens)
+            matcher = self._matcher_for(generated)
             return matcher is not None and matcher.engine.is_stopped()
 
     def _nearest(self, tokens: list[int]) -> _Matcher | None:
@@ -193,7 +189,7 @@ class GrammarStop(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         start = self.processor.prompt_length or 0
-        done = [self.processor.finished(ids) for ids in input_ids[:, start:].tolist()]
+        done = [self.processor.is_complete(ids) for ids in input_ids[:, start:].tolist()]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
