@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from layer_kind_models import LAYER_KIND_CONFIGS
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 VOCAB = 96
 PAD = 0
@@ -54,17 +55,23 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def tiny_model(model_type: str, attn_implementation: str | None = None, seed: int = 0) -> PreTrainedModel:
-    """A float32 model of `model_type` with random weights, in eval mode."""
-    config = AutoConfig.for_model(
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """The tiny config of `model_type` (`TINY_CONFIGS`, or `LAYER_KIND_CONFIGS` for the other layer kinds)."""
+    overrides = TINY_CONFIGS[model_type] if model_type in TINY_CONFIGS else LAYER_KIND_CONFIGS[model_type]
+    return AutoConfig.for_model(
         model_type,
         vocab_size=VOCAB,
         max_position_embeddings=256,
         pad_token_id=PAD,
         bos_token_id=1,
         eos_token_id=None,
-        **TINY_CONFIGS[model_type],
+        **overrides,
     )
+
+
+def tiny_model(model_type: str, attn_implementation: str | None = None, seed: int = 0) -> PreTrainedModel:
+    """A float32 model of `model_type` with random weights, in eval mode."""
+    config = tiny_config(model_type)
     torch.manual_seed(seed)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs).eval()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..pool.memory import own_mask_layer_types
+from ..pool.memory import dense_attention_kinds
 from .decode import DECODE_KERNELS, attend_decode
 from .prefill import attend_rows
 from .reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
@@ -188,14 +188,14 @@ def set_paged_attention(model: PreTrainedModel, decode: str = "sdpa") -> None:
       Falcon's default attention.
 
     A model with chunked-attention layers (Llama 4) raises too: they attend with the chunked mask
-    transformers builds, which the paged attentions do not apply; `PagedCache` is exact with its default
-    attention.
+    transformers builds, which the paged attentions do not apply; so does one whose layers reuse another
+    layer's keys and values (Gemma-3n). `PagedCache` is exact with their default attention.
     """
-    own_masks = own_mask_layer_types(model.config)
-    if own_masks:
+    dense_kinds = dense_attention_kinds(model.config)
+    if dense_kinds:
         raise NotImplementedError(
-            f"{model.config.model_type!r} has {', '.join(own_masks)} layers, whose mask {ATTENTION_NAME!r} does not "
-            f"apply; use PagedCache with the model's default attention instead"
+            f"{model.config.model_type!r} has {', '.join(dense_kinds)} layers, which {ATTENTION_NAME!r} cannot "
+            f"attend; use PagedCache with the model's default attention instead"
         )
     if not getattr(model, "_supports_attention_backend", False):
         raise NotImplementedError(

@@ -11,6 +11,7 @@ from ..pool.kv_pool import KVPool
 from .block_table import BlockTables
 from .forward import ForwardUndo, keep_from
 from .prefix import adopt_longest_prefix
+from .row_states import RowStates
 
 
 class PagedBatch:
@@ -30,6 +31,8 @@ class PagedBatch:
     def __init__(self, pool: KVPool, root: bytes | None):
         self.pool = pool
         self.groups = [BlockTables(blocks, root=root) for blocks in pool.groups]
+        # each row's conv / recurrent state slot, for models with linear-attention, SSM or conv layers
+        self.states = RowStates(pool.states) if pool.layout.state_layers else None
         self.windows = [group.window for group in pool.layer_groups]
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
         self.record_past = False  # sliding groups keep out-of-window blocks until the next `truncate`
@@ -46,12 +49,15 @@ class PagedBatch:
 
     def savepoint(self) -> ForwardUndo:
         """The rows as they are now, for `restore` (block tables per group and the padding mask)."""
-        return ForwardUndo([tables.savepoint() for tables in self.groups], self.is_real)
+        return ForwardUndo([tables.savepoint() for tables in self.groups], self.is_real,
+                           [] if self.states is None else self.states.savepoint())
 
     def restore(self, undo: ForwardUndo) -> None:
         """Bring the rows, their blocks and reference counts back to `undo` (`savepoint`). Call under `lock`."""
         for tables, savepoint in zip(self.groups, undo.tables):
             tables.rollback(savepoint)
+        if self.states is not None:
+            self.states.restore(undo.state_slots)
         self.is_real = undo.is_real
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:
@@ -62,6 +68,8 @@ class PagedBatch:
         with self.lock:
             for tables in self.groups:
                 tables.select(rows.tolist())
+            if self.states is not None:
+                self.states.select(rows.tolist())
             self.is_real = self.is_real[rows.to(self.is_real.device)]
 
     def truncate(self, length: int) -> None:
@@ -112,6 +120,8 @@ class PagedBatch:
         with self.lock:
             for tables in self.groups:
                 tables.release()
+            if self.states is not None:
+                self.states.release()
             self.is_real = torch.zeros(0, 0, dtype=torch.bool)
 
     def adopt_prefix(self, rows: list[list[int]], device: torch.device) -> int:
@@ -127,6 +137,8 @@ class PagedBatch:
         """Give `other` (empty, on the same pool) the same rows, sharing every block. Call under `lock`."""
         for mine, theirs in zip(self.groups, other.groups):
             mine.copy_to(theirs)
+        if self.states is not None:
+            self.states.copy_to(other.states)
         other.is_real = self.is_real.clone()
 
     def absorb(self, other: PagedBatch) -> int:
@@ -141,6 +153,8 @@ class PagedBatch:
         mine, theirs = (_left_pad(mask.to(device), length) for mask in (self.is_real, other.is_real))
         for tables, their_tables in zip(self.groups, other.groups):
             tables.extend_from(their_tables)
+        if self.states is not None:
+            self.states.extend_from(other.states)
         self.is_real = torch.cat([mine, theirs])  # [B + B', length]
         return length
 

@@ -134,6 +134,7 @@ class ForwardUndo:
 
     tables: list[TablesSavepoint]  # per layer group
     is_real: torch.Tensor  # [B, L] the padding mask before the forward
+    state_slots: list[int] = field(default_factory=list)  # per row, its state slot (`RowStates.savepoint`)
 
 
 def prefix_token_ids(

@@ -11,9 +11,17 @@ from transformers import PreTrainedModel
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
-from .forward import Forward, SlotIndex, build_index, keep_from, prefix_token_ids, take_group_blocks
+from .forward import (
+    Forward,
+    SlotIndex,
+    build_index,
+    keep_from,
+    prefix_token_ids,
+    take_group_blocks,
+)
 from .inputs import PendingInputs, forward_running, repeated_rows
 from .layer import PagedLayer
+from .row_states import RowStates
 
 
 class ForwardLifecycle:
@@ -55,6 +63,7 @@ class ForwardLifecycle:
     ):
         self.batch = batch
         self.layers = layers
+        self.token_layers = [layer for layer in layers if isinstance(layer, PagedLayer)]  # keys and values, once a forward
         self.manual_commit = manual_commit  # a complete forward waits for `commit` or `settle`
         self.model = model  # the hooked model (None for a cache built from a config)
         self.forward: Forward | None = None  # the forward in progress, if any
@@ -70,7 +79,7 @@ class ForwardLifecycle:
             self.drop_unfinished()  # this layer already did the forward in progress: a new forward began
             forward = None
         if forward is None:
-            return self.begin(layer.length, batch_size, query_length, device, len(self.layers))
+            return self.begin(layer.length, batch_size, query_length, device, len(self.token_layers))
         if layer.length != forward.past_length:
             raise RuntimeError(
                 f"layer {layer.layer_idx} has seen {layer.length} positions but the forward in progress runs from "
@@ -144,6 +153,9 @@ class ForwardLifecycle:
         try:
             for group, tables in enumerate(batch.groups):
                 self._reads(group, tables, real.sum(dim=1).tolist(), token_ids, kept[group], sources)
+            if batch.states is not None:
+                batch.states.add_rows(batch_size - batch.states.batch_size)  # a first forward's rows
+                batch.states.begin()  # a slot of its own for each row the forward writes
         except BaseException:
             batch.restore(undo)
             raise
@@ -183,6 +195,22 @@ class ForwardLifecycle:
         )
         tables.select([taking.index(s) for s in sources])  # repeats share their first row's blocks
 
+    def states(self, batch_size: int, device: torch.device) -> RowStates:
+        """The rows' states for the forward in progress, which a layer's state access begins if none has (the
+        model's pre-hook observed it: `batch_size` and `device` are the layer's, its length the observed one)."""
+        states = self.batch.states
+        if states is None:
+            raise ValueError("this model's PagedCache keeps no conv or recurrent states: no layer of it has any")
+        if self.forward is None:
+            if not self.pending.observed:
+                raise RuntimeError(
+                    "a PagedCache keeps conv and recurrent states only for forwards of the model it was built from "
+                    "(PagedCache(model)): its forward hooks say when each forward begins and ends"
+                )
+            with self.batch.lock:
+                self._begin(self.committed_length(), batch_size, self.pending.query_length, device, len(self.token_layers))
+        return states
+
     def index(self, group: int, device: torch.device) -> SlotIndex:
         """The forward in progress's slot index for layer group `group` on `device`."""
         return build_index(self.forward, group, self.batch.groups[group], self.batch.is_real, device)
@@ -219,6 +247,10 @@ class ForwardLifecycle:
                 self.batch.drop_drafts(removed)
             for tables in self.batch.groups:
                 tables.commit()
+            if self.batch.states is not None:
+                self.batch.states.commit()
+            for layer in self.layers:  # the layers without keys and values count the positions too
+                layer.length = forward.length
             if trimmed:
                 if not self.batch.record_past:  # else they wait for the next `truncate`, as a crop's do
                     self.batch.drop_out_of_window()

@@ -161,6 +161,7 @@ class PendingInputs:
         self.positions: torch.Tensor | None = None  # [B or 1, q] their position ids, if the forward got any
         self.attention: str | None = None  # the model's attention implementation for this forward
         self.hooked = False  # observed by the model's pre-hook: its forward hook reports the forward's end
+        self.query_length: int | None = None  # the next forward's new tokens per row; None when none is observed
 
     def observe(
         self,
@@ -185,6 +186,17 @@ class PendingInputs:
         self.positions = position_ids if isinstance(position_ids, torch.Tensor) else None
         self.attention = attention
         self.hooked = hooked
+        self.query_length = query_length
+
+    @property
+    def observed(self) -> bool:
+        """Whether a forward was observed and has not begun yet (its first layer takes the inputs)."""
+        return self.query_length is not None
+
+    def batch_size(self) -> int | None:
+        """The observed forward's rows, when its token ids or padding mask show them."""
+        shown = self.ids if self.ids is not None else self.mask
+        return None if shown is None else shown.shape[0]
 
     def take(
         self, batch_size: int, query_length: int
@@ -203,7 +215,7 @@ class PendingInputs:
         return mask, ids, positions, attention, hooked
 
     def clear(self) -> None:
-        self.mask = self.ids = self.positions = self.attention = None
+        self.mask = self.ids = self.positions = self.attention = self.query_length = None
         self.hooked = False
 
 
@@ -238,12 +250,12 @@ def forward_running(model: PreTrainedModel) -> bool:
     return False
 
 
-def refuse_paged_attention(attention: str | None, own_mask_layers: Sequence[str]) -> None:
-    """Raise `NotImplementedError` when a forward would run a paged attention (`attention`) over layers that
-    attend with a mask of the model's own (`own_mask_layers`, e.g. chunked attention): it would mask by window."""
-    if own_mask_layers and attention in PAGED_ATTENTION_NAMES:
+def refuse_paged_attention(attention: str | None, dense_kinds: Sequence[str]) -> None:
+    """Raise `NotImplementedError` when a forward would run a paged attention (`attention`) over layers it
+    cannot attend (`dense_kinds`, see `memory.dense_attention_kinds`): chunked attention, KV sharing."""
+    if dense_kinds and attention in PAGED_ATTENTION_NAMES:
         raise NotImplementedError(
-            f"{attention!r} cannot attend {', '.join(own_mask_layers)} layers (the model's own mask): keep the "
+            f"{attention!r} cannot attend {', '.join(dense_kinds)} layers: keep the "
             f"model's default attention with this PagedCache"
         )
 

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import DummyLayer
 
+from ..kinds import LayerSpec, layer_kinds
 from ..pool.kv_pool import KVPool
-from ..pool.memory import KVLayout, attention_windows, own_mask_layer_types
+from ..pool.memory import KVLayout, dense_attention_kinds
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
+from .forward_control import ForwardControl
 from .forward_lifecycle import ForwardLifecycle
 from .inputs import install_input_hook, prefix_root, refuse_paged_attention
 from .layer import PagedLayer
 from .layer_io import dense_layer, store_layer
+from .model_checks import check_model
 from .sharing import BlockSharing
+from .state_access import StateAccess
+from .state_layer import PagedDummyLayer, PagedHybridLayer, PagedStateLayer
 from .stats import CacheStats
 
 
-class PagedCache(BlockSharing, Cache):
+class PagedCache(BlockSharing, StateAccess, ForwardControl, Cache):
     """A KV cache stored in fixed-size blocks of a shared pool, usable wherever transformers takes a `Cache`.
 
     Each row of the batch owns a block table; blocks are allocated as tokens arrive and shared (by reference
@@ -76,11 +81,13 @@ class PagedCache(BlockSharing, Cache):
             raise TypeError(
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
-        windows = attention_windows(config)  # raises NotImplementedError for unsupported models
-        self._own_masks = own_mask_layer_types(config)  # layer kinds no paged attention can run (chunked)
+        specs = layer_kinds(config)  # raises NotImplementedError for unsupported models
+        check_model(config, model, specs)
+        windows = [spec.window for spec in specs]
+        self._dense_kinds = dense_attention_kinds(config)  # layer kinds no paged attention can run
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype)
         self._source = config_or_model  # what fork() builds its twin from
-        super().__init__(layers=[PagedLayer(self, idx, window) for idx, window in enumerate(windows)])
+        super().__init__(layers=[_layer_for(self, idx, spec) for idx, spec in enumerate(specs)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
         self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit, model)
@@ -126,48 +133,6 @@ class PagedCache(BlockSharing, Cache):
         self.lifecycle.leave(layer, forward)
         return result
 
-    def computes_repeats_once(self) -> bool:
-        """Whether the next forward may compute each distinct row of a batch whose rows repeat each other once
-        (`generate` repeats every prompt for beams and samples; the model's hooks then cut the forward to the
-        distinct rows and repeat its logits and this cache's rows after it): an empty cache that keeps its
-        forwards itself (not `manual_commit`)."""
-        return self.batch_size == 0 and not self.lifecycle.manual_commit
-
-    def repeat_rows_after_forward(self, rows: torch.Tensor) -> None:
-        """The running forward computes only distinct rows: when it has ended well, row ``i`` of the batch its
-        caller gave becomes computed row ``rows[i]`` ``[B]``, sharing its blocks (`take_rows_after_forward`)."""
-        self._rows_after_forward = rows
-
-    def take_rows_after_forward(self) -> torch.Tensor | None:
-        """The running forward's `repeat_rows_after_forward` rows (None when it computes every row); forgets them."""
-        rows, self._rows_after_forward = self._rows_after_forward, None
-        return rows
-
-    def forward_ended(self, failed: bool) -> None:
-        """Called by the model's forward hook when a forward on this cache ends: keeps the forward it made (with
-        `manual_commit`, it waits for `commit()`), or rolls it back when the forward raised anywhere."""
-        self.lifecycle.forward_ended(failed)
-
-    def commit(self, keep: Sequence[int] | None = None) -> None:
-        """Keep the forward of the last forward (with `manual_commit`; other caches commit by themselves); with
-        `keep`, only each row's first ``keep[b]`` new tokens (the rest are drafts: `expect_drafts`).
-
-        Nothing to do when no forward is pending. Raises `RuntimeError` if the last forward did not finish.
-        """
-        self.lifecycle.commit(keep)
-
-    def expect_drafts(self, drafts: int) -> None:
-        """The next forward's last `drafts` new tokens per row are drafts `commit(keep=...)` may drop."""
-        self.lifecycle.expect_drafts(drafts)
-
-    def settle(self) -> None:
-        """Roll back the forward not committed, if any: one that a failed forward left unfinished or, with
-        `manual_commit`, a complete one awaiting `commit()`. Nothing otherwise.
-
-        Failed forwards are rolled back by themselves; call this to drop a pending forward (`manual_commit`).
-        """
-        self.lifecycle.settle()
-
     def observe_inputs(
         self,
         input_ids: torch.Tensor | None,
@@ -187,7 +152,7 @@ class PagedCache(BlockSharing, Cache):
         keys and values straight from the pool (no dense copy). A forward left unfinished by a failed forward
         is rolled back. `hooked` (set by the model's pre-hook) means its forward hook will call `forward_ended`.
         """
-        refuse_paged_attention(attention, self._own_masks)  # before anything changes
+        refuse_paged_attention(attention, self._dense_kinds)  # before anything changes
         self.lifecycle.drop_unfinished()
         self.lifecycle.pending.observe(input_ids, attention_mask, query_length, position_ids, attention, hooked)
 
@@ -222,6 +187,8 @@ class PagedCache(BlockSharing, Cache):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of positions to remove, as with DynamicCache"
             )
+        if tokens_to_remove:
+            self.refuse_with_states("crop")
         self.lifecycle.drop_unfinished()
         with self.batch.lock:
             length = self.lifecycle.committed_length()
@@ -295,10 +262,11 @@ class PagedCache(BlockSharing, Cache):
             return self.lifecycle.committed()[1]
 
     def stats(self) -> CacheStats:
-        """Blocks, tokens and bytes this cache holds, in total and per layer group, as last committed."""
+        """Blocks, state slots, tokens and bytes this cache holds, in total and per layer group, as last committed."""
         self.lifecycle.settle_failed_here()
         with self.batch.lock:
-            return CacheStats.of(self.lifecycle.committed()[0], self.pool)
+            slots = self.committed_state_slots() if self.batch.states is not None else ()
+            return CacheStats.of(self.lifecycle.committed()[0], self.pool, slots)
 
     def dense_view(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s keys and values as `DynamicCache` holds them: dense ``[B, H, length, D]`` copies.
@@ -321,6 +289,21 @@ class PagedCache(BlockSharing, Cache):
             f"PagedCache(rows={views[0].batch_size}, length={length}, "
             f"blocks={blocks[0] if len(blocks) == 1 else blocks}, pool={self.pool!r})"
         )
+
+
+CacheLayer = PagedLayer | PagedStateLayer | DummyLayer
+
+
+def _layer_for(cache: PagedCache, layer_idx: int, spec: LayerSpec) -> CacheLayer:
+    """Layer `layer_idx`'s view of `cache`, by what its kind keeps: tokens, states, both, or nothing."""
+    kind = spec.kind
+    if kind.tokens and kind.state:
+        return PagedHybridLayer(cache, layer_idx, spec.window, spec.number_of_states)
+    if kind.tokens:
+        return PagedLayer(cache, layer_idx, spec.window)
+    if kind.state:
+        return PagedStateLayer(cache, layer_idx, spec.number_of_states)
+    return PagedDummyLayer(layer_idx)
 
 
 def _release_all(groups: list[BlockTables]) -> None:

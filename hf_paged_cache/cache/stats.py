@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..pool.block_pool import NULL_BLOCK
 from ..pool.kv_pool import KVPool
+from ..pool.state_slots import NULL_SLOT
 from .block_table import RowsView
 
 
@@ -41,10 +42,15 @@ class CacheStats:
     pool_max_blocks: int | None  # its cap: pool_blocks for a fixed pool, None for an elastic one
     pool_grows: int  # times the (elastic) pool has grown, all groups together
     groups: tuple[GroupStats, ...] = ()
+    # per-sequence conv / recurrent states (linear-attention, SSM and conv layers; 0 for other models)
+    state_slots_in_use: int = 0  # distinct state slots the rows hold (shared slots counted once)
+    bytes_per_state_slot: int = 0  # one sequence's states over every such layer (as written so far)
 
     @classmethod
-    def of(cls, groups: Sequence[RowsView], pool: KVPool) -> CacheStats:
-        """What the rows of `groups` (one view per layer group of `pool`) hold."""
+    def of(cls, groups: Sequence[RowsView], pool: KVPool, state_slots: Sequence[int] = ()) -> CacheStats:
+        """What the rows of `groups` (one view per layer group of `pool`) and their `state_slots` hold.
+
+        Bytes reserved and used count the blocks and the state slots together (a state slot is always full)."""
         per_group = []
         for g, (tables, layer_group) in enumerate(zip(groups, pool.layer_groups)):
             filled = tables.unique_blocks()
@@ -62,8 +68,10 @@ class CacheStats:
                     pool_blocks=pool.groups[g].num_blocks,
                 )
             )
-        reserved = sum(g.bytes_reserved for g in per_group)
-        used = sum(g.bytes_used for g in per_group)
+        slots_in_use = len(set(state_slots) - {NULL_SLOT})
+        per_slot = pool.states.bytes_per_slot()
+        reserved = sum(g.bytes_reserved for g in per_group) + slots_in_use * per_slot
+        used = sum(g.bytes_used for g in per_group) + slots_in_use * per_slot
         hits = misses = evictions = 0
         for blocks in pool.groups:
             prefix = blocks.prefix_stats()
@@ -82,4 +90,6 @@ class CacheStats:
             pool_max_blocks=pool.max_blocks,
             pool_grows=pool.grow_count,
             groups=tuple(per_group),
+            state_slots_in_use=slots_in_use,
+            bytes_per_state_slot=per_slot,
         )

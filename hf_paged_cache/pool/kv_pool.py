@@ -70,6 +70,7 @@ from .memory import (
     exceeds_machine,
     format_memory,
 )
+from .state_slots import StateSlots
 
 ELASTIC_START_TOKENS = 4096
 """An elastic pool starts with one full context of the model, but at most this many tokens (then grows)."""
@@ -135,6 +136,8 @@ class KVPool:
         self.keys, self.values = self.storage.keys, self.storage.values
         self.key_scales, self.value_scales = self.storage.key_scales, self.storage.value_scales  # scaled formats only
         self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
+        # per-sequence conv and recurrent states of linear-attention / SSM / conv layers (empty for other models)
+        self.states = StateSlots(self.storage_lock)
 
     @classmethod
     def for_config(
@@ -282,9 +285,9 @@ class KVPool:
             self.storage.copy_blocks(layers, pairs)
 
     def storage_bytes(self) -> int:
-        """Bytes of K/V tensors (and scales) allocated so far (layers are created lazily; an elastic pool's grow
-        with it)."""
-        return self.storage.nbytes()
+        """Bytes of K/V tensors (and scales) and of sequence states allocated so far (layers are created lazily;
+        an elastic pool's grow with it)."""
+        return self.storage.nbytes() + self.states.nbytes()
 
     # ------------------------------------------------------------------ growth
 

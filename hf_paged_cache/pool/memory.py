@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ..kinds import KINDS, layer_kinds
 from .kv_format import KVFormat
 
 _UNITS = {
@@ -71,40 +72,27 @@ def format_memory(num_bytes: float, spec: str = ".1f") -> str:
     raise AssertionError("unreachable")
 
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# Layers that attend with a mask of the model's own: a chunked layer (Llama 4) is stored as a sliding window of
-# its chunk size (a query at p sees keys back to the start of its chunk, at most C - 1 before it) and attends
-# with the chunked mask transformers builds, over the dense keys and values: the paged attentions, which mask by
-# causality and sliding window only, cannot run it.
-OWN_MASK_LAYER_TYPES = ("chunked_attention",)
-
-
 def attention_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Each decoder layer's sliding window (None for full attention), read from `config`.
+    """Each decoder layer's sliding window (None for full attention, and for layers that keep no tokens), read
+    from `config`.
 
-    A chunked-attention layer's window is its chunk size (`OWN_MASK_LAYER_TYPES`). Raises
-    `NotImplementedError`, naming the model type, for encoder-decoder models and for layers that are not plain
-    attention (linear attention, KV sharing, ...).
+    A chunked-attention layer's window is its chunk size. Raises `NotImplementedError`, naming the model type,
+    for encoder-decoder models and for layer kinds not supported (`kinds.layer_kinds`).
     """
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(
-            f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
-        )
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(
-            f"PagedCache supports attention layers of types {SUPPORTED_LAYER_TYPES}; model type "
-            f"{config.model_type!r} has layers of type {unsupported}"
-        )
-    return [kwargs.get("sliding_window") for kwargs in layer_kwargs]
+    return [spec.window for spec in layer_kinds(config)]
 
 
-def own_mask_layer_types(config: PreTrainedConfig) -> list[str]:
-    """The kinds of `config`'s decoder layers that attend with a mask of the model's own (`OWN_MASK_LAYER_TYPES`):
-    such a model keeps its default attention over a `PagedCache`, never a paged one."""
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return sorted(set(layer_types) & set(OWN_MASK_LAYER_TYPES))
+def dense_attention_kinds(config: PreTrainedConfig) -> list[str]:
+    """The kinds of `config`'s decoder layers that no paged attention can run: chunked attention (a mask of the
+    model's own) and layers that reuse another layer's keys and values (``kv_sharing_modes``: they attend with
+    the dense keys and values the storing layer's `update` returned). Such a model keeps its default attention
+    over a `PagedCache`."""
+    text = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    kinds = {name for name in layer_types if name in KINDS and KINDS[name].dense_only}
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or ()):
+        kinds.add("dummy (KV sharing)")
+    return sorted(kinds)
 
 
 @dataclass(frozen=True)
@@ -151,17 +139,33 @@ class KVLayout:
     layers: tuple[LayerShape, ...]
     latent: bool = False  # the cache holds a compressed latent that attention expands after `update` (MLA)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window; None = all full attention
+    # which layers keep keys and values per token (None: all); the others (linear attention, SSM, conv, MLP-only
+    # layers) keep none, and their `layers` entry is an empty `LayerShape(0, 0, 0)`
+    tokens: tuple[bool, ...] | None = None
+    state_layers: tuple[int, ...] = ()  # the layers that keep conv / recurrent states per sequence (`StateSlots`)
 
     def __post_init__(self) -> None:
         if self.windows is not None and len(self.windows) != len(self.layers):
             raise ValueError(f"{len(self.windows)} windows given for {len(self.layers)} layers")
+        if self.tokens is not None and len(self.tokens) != len(self.layers):
+            raise ValueError(f"{len(self.tokens)} token flags given for {len(self.layers)} layers")
+
+    @property
+    def token_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values per token, in order."""
+        return tuple(i for i in range(len(self.layers)) if self.tokens is None or self.tokens[i])
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
-        """The layers grouped by window: full attention first, then each window from the smallest."""
+        """The layers that keep tokens, grouped by window: full attention first, then each window from the
+        smallest. A model without any (an SSM) has one group of no layers: its block tables count the rows'
+        tokens, and its blocks hold no bytes."""
         windows = self.windows or (None,) * len(self.layers)
-        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-        return tuple(LayerGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
+        kept = self.token_layers
+        if not kept:
+            return (LayerGroup(None, ()),)
+        order = sorted({windows[i] for i in kept}, key=lambda w: (w is not None, w or 0))
+        return tuple(LayerGroup(w, tuple(i for i in kept if windows[i] == w)) for w in order)
 
     def group_of(self) -> tuple[int, ...]:
         """Each layer's group index in `groups`."""
@@ -172,17 +176,20 @@ class KVLayout:
         return tuple(index)
 
     def with_windows(self, windows: Sequence[int | None]) -> KVLayout:
-        return KVLayout(self.layers, self.latent, tuple(windows))
+        return KVLayout(self.layers, self.latent, tuple(windows), self.tokens, self.state_layers)
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig) -> KVLayout:
         """Every layer's K/V shape and window as the config declares them (`NotImplementedError` for a
         model whose layers are not plain attention, see `attention_windows`)."""
-        windows = tuple(attention_windows(config))
+        specs = layer_kinds(config)
+        windows = tuple(spec.window for spec in specs)
+        tokens = tuple(spec.kind.tokens for spec in specs)
         text = config.get_text_config(decoder=True)
-        num_layers = text.num_hidden_layers
-        num_heads = text.num_attention_heads
-        if getattr(text, "kv_lora_rank", None):  # DeepSeek-style MLA: one compressed latent + one rotary key
+        num_heads = getattr(text, "num_attention_heads", None)
+        if not any(tokens):  # no attention layer (Mamba): nothing per token
+            shape = LayerShape(0, 0, 0)
+        elif getattr(text, "kv_lora_rank", None):  # DeepSeek-style MLA: one compressed latent + one rotary key
             shape = LayerShape(1, text.kv_lora_rank, text.qk_rope_head_dim)
         else:
             kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
@@ -193,7 +200,10 @@ class KVLayout:
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
             shape = LayerShape(kv_heads, head_dim, head_dim)
         latent = bool(getattr(text, "kv_lora_rank", None))
-        return cls(layers=(shape,) * num_layers, latent=latent, windows=windows if any(windows) else None)
+        layers = tuple(shape if keeps else LayerShape(0, 0, 0) for keeps in tokens)
+        state_layers = tuple(i for i, spec in enumerate(specs) if spec.kind.state)
+        return cls(layers=layers, latent=latent, windows=windows if any(windows) else None,
+                   tokens=None if all(tokens) else tokens, state_layers=state_layers)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> KVLayout:
@@ -208,6 +218,11 @@ class KVLayout:
         tp_size = getattr(model, "tp_size", None) or 1
         if tp_size == 1:
             return layout
+        if layout.tokens is not None:
+            raise NotImplementedError(
+                f"{type(model).__name__} under tensor parallelism: layers that keep no keys and values "
+                "(linear attention, SSM, conv, MLP-only) are not supported there yet"
+            )
         shares = _key_head_shares(model, layout.num_layers)
         layers = []
         for layer_idx, (shape, (local, total)) in enumerate(zip(layout.layers, shares)):

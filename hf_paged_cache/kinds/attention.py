@@ -1,0 +1,22 @@
+"""Attention layers: keys and values per token, in blocks of the pool.
+
+Full attention keeps every token. A sliding window of `W` keeps the tokens its next query can see (the last
+``W - 1``), giving older blocks back. Chunked attention (Llama 4) is stored as a sliding window of its chunk
+size: a query sees keys back to the start of its chunk, at most ``C - 1`` before it. It attends with the
+chunked mask transformers builds over the dense keys and values, so the paged attentions, which mask by
+causality and window only, refuse it.
+"""
+
+from .base import LayerKind
+
+FULL_ATTENTION = LayerKind("full_attention", tokens=True, state=False, stores="keys and values of every token")
+SLIDING_ATTENTION = LayerKind(
+    "sliding_attention", tokens=True, state=False, windowed=True,
+    stores="keys and values of the last W - 1 tokens",
+)
+CHUNKED_ATTENTION = LayerKind(
+    "chunked_attention", tokens=True, state=False, windowed=True, dense_only=True,
+    stores="keys and values of the last C - 1 tokens (a window of the chunk size)",
+)
+
+KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
