@@ -151,6 +151,16 @@ class ContinuousBatcher:
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1), source=draft)
         elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
+        if running_cache.keeps_states:
+            _check_states_in_cache(model)
+            # one packed sequence would run every row's conv and recurrent states as one; drafts a state has taken
+            # in cannot be given back
+            pack_steps = False
+            if speculator is not None:
+                raise NotImplementedError(
+                    f"speculative decoding is not supported on {type(model).__name__}: its conv / recurrent states "
+                    "cannot give back rejected drafts; pass speculative=None"
+                )
         self._roles = StepRoles(model, pack_steps, speculator)
         self._scheduler = Scheduler(
             model, running_cache, self._inbox, self._roles,
@@ -352,3 +362,16 @@ def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if not ids:
         raise ValueError("submit() needs a prompt of at least one token")
     return ids
+
+
+def _check_states_in_cache(model: PreTrainedModel) -> None:
+    """Refuse a model that keeps some layers' conv / recurrent states in its own modules (RecurrentGemma): they
+    would not follow the batch's rows, which come and go. One forward of one token tells."""
+    with PagedCache(model) as probe, torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=probe, use_cache=True)
+        elsewhere = probe.states_kept_elsewhere()
+    if elsewhere:
+        raise NotImplementedError(
+            f"{type(model).__name__} keeps the states of layers {elsewhere} in its own modules, outside the cache: "
+            "a continuous batcher, whose rows come and go, cannot run it (generate with a PagedCache can)"
+        )

@@ -247,7 +247,7 @@ class Scheduler:
 
     def _prefix_in_progress(self, request: Request) -> bool:
         """Whether `request` should wait for full blocks a prefilling request is computing (`waits_for_prefix`)."""
-        if not request.takes_cached_prefix:
+        if not request.takes_cached_prefix or self.running_cache.keeps_states:  # states: no prefix to wait for
             return False
         prefilling = ((prefill.request.tokens, prefill.done) for prefill in self.prefilling)
         return waits_for_prefix(request.tokens, prefilling, self.pool.block_size)

@@ -89,12 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests waiting to start; more get 429 (default: 256)")
     parser.add_argument("--max-step-tokens", type=_positive,
                         help="most prompt tokens prefilled per step (default: 512)")
-    parser.add_argument("--speculative", default="ngram", type=_speculative, metavar="{ngram,draft:MODEL,off}",
+    parser.add_argument("--speculative", type=_speculative, metavar="{ngram,draft:MODEL,off}",
                         help="speculative decoding, in the decode steps where it is expected to pay; the answers "
                              "are the same (greedy and seeded ones): ngram verifies draft tokens looked up in each "
                              "request's own prompt and answer; draft:MODEL those a smaller model with the same "
                              "tokenizer writes (a Hub id, a local path or an offline name, loaded as --model is); "
-                             "off: one token per request and step (default: ngram)")
+                             "off: one token per request and step (default: ngram, or off for a model with "
+                             "conv / recurrent states, which cannot give back rejected drafts)")
     parser.add_argument("--speculative-tokens", type=_positive, default=4,
                         help="most draft tokens per request and step with --speculative (default: 4)")
     parser.add_argument(
@@ -210,7 +211,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         model, num_blocks=options.num_blocks, max_memory=options.max_memory, block_size=options.block_size,
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
-        speculative=_speculative_option(options, dtype), speculative_tokens=options.speculative_tokens,
+        speculative=_speculative_option(options, dtype, model), speculative_tokens=options.speculative_tokens,
     )
     _log_pool(batcher)
     if options.flex_decode:
@@ -255,12 +256,23 @@ def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
     # else the kernel logged why it did not compile, and decode steps gather as paged_sdpa's
 
 
-def _speculative_option(options: argparse.Namespace, dtype: torch.dtype) -> Any:
+def _speculative_option(options: argparse.Namespace, dtype: torch.dtype, model: Any) -> Any:
     """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded (its
-    linear layers packed as the target's are, with ``--packed-linears``)."""
-    if not options.speculative.startswith("draft:"):
-        return options.speculative
-    name = options.speculative[len("draft:"):]
+    linear layers packed as the target's are, with ``--packed-linears``). Not given: ``"ngram"``, or ``"off"``
+    (said in the log) for a model with conv / recurrent states, which cannot give back rejected drafts; asked
+    for explicitly on such a model, the batcher refuses it with its reason."""
+    from ..kinds import keeps_states
+
+    choice = options.speculative
+    if choice is None:
+        if keeps_states(model.config):
+            logger.info("speculative decoding is off: %s has layers with conv / recurrent states, which cannot "
+                        "give back rejected drafts", options.model)
+            return "off"
+        return "ngram"
+    if not choice.startswith("draft:"):
+        return choice
+    name = choice[len("draft:"):]
     logger.info("loading the draft model %s (%s on %s)", name, dtype, options.device)
     draft = _load_model(options, dtype, name)[0]
     _pack_linears(draft, options, " of the draft model")
