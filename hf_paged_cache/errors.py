@@ -14,7 +14,8 @@ class PoolExhaustedError(RuntimeError):
     Attributes:
         needed: blocks the failing step asked for.
         free: blocks free in the pool at that moment.
-        group: which layer group ran out ("sliding window 512"), for a pool with several; else None.
+        group: which layer group ran out ("sliding window 512"), for a pool with several, or "sequence states"
+            when the per-sequence state slots did (then `block_size` is 0 and the counts are slots); else None.
     """
 
     def __init__(self, needed: int, free: int, total: int, block_size: int, group: str | None = None):
@@ -24,6 +25,13 @@ class PoolExhaustedError(RuntimeError):
         self.block_size = block_size
         self.group = group  # the layer group that ran out, in a pool with several
         where = f" for its {group} layers" if group else ""
+        if block_size == 0:  # per-sequence state slots (`pool.state_slots`), not blocks of tokens
+            super().__init__(
+                f"state slot pool exhausted: this step needs {needed} slots for {group} (one per sequence) but only "
+                f"{free} of {total} are free. Release or finish other sequences on this pool, or build the pool for "
+                "more sequences (`max_sequences=`)."
+            )
+            return
         super().__init__(
             f"KV block pool exhausted: this step needs {needed} blocks of {block_size} tokens{where} but only "
             f"{free} of {total} are free. Release or crop other caches on this pool, or build the pool bigger "

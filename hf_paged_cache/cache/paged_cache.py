@@ -9,7 +9,7 @@ import torch
 from transformers import Cache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
-from ..kinds import LayerSpec, layer_kinds
+from ..kinds import LayerSpec, keeps_states, layer_kinds
 from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, dense_attention_kinds
 from .batch import PagedBatch
@@ -23,6 +23,7 @@ from .model_checks import check_model
 from .sharing import BlockSharing
 from .state_access import StateAccess
 from .state_layer import PagedDummyLayer, PagedHybridLayer, PagedStateLayer
+from .state_probe import state_bytes_per_sequence
 from .stats import CacheStats
 
 
@@ -50,6 +51,9 @@ class PagedCache(BlockSharing, StateAccess, ForwardControl, Cache):
             `pool` brings its own (`KVPool.kv_format`). `ValueError` for any other name.
         manual_commit: keep a forward's forward pending once it has run, until `commit()` keeps it or `settle()`
             drops it (a continuous batcher commits a forward only once every request in it has its token).
+        max_sequences: for a model with conv / recurrent states, the sequences a new pool keeps states for
+            (one slot each): by default as many as come (elastic), or 64 under `max_memory`, which holds the
+            slots (their bytes measured by one forward of one token) and the blocks together.
 
     A forward is all or nothing: it is kept once the whole forward has run (the model's LM head included,
     for a cache built from the model), and if it fails anywhere (an exception, `PoolExhaustedError`), its
@@ -74,6 +78,7 @@ class PagedCache(BlockSharing, StateAccess, ForwardControl, Cache):
         pool: KVPool | None = None,
         manual_commit: bool = False,
         kv_dtype: str | torch.dtype | None = None,
+        max_sequences: int | None = None,
     ):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
         config = model.config if model is not None else config_or_model
@@ -85,7 +90,7 @@ class PagedCache(BlockSharing, StateAccess, ForwardControl, Cache):
         check_model(config, model, specs)
         windows = [spec.window for spec in specs]
         self._dense_kinds = dense_attention_kinds(config)  # layer kinds no paged attention can run
-        self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype)
+        self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype, max_sequences)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[_layer_for(self, idx, spec) for idx, spec in enumerate(specs)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
@@ -332,17 +337,20 @@ def _pool_for(
     num_blocks: int | None,
     max_memory: int | str | None,
     kv_dtype: str | torch.dtype | None,
+    max_sequences: int | None,
 ) -> KVPool:
     """The given `pool`, checked against the model's layers, or a new one of the requested size and format."""
     if pool is None:
         dtype = _model_dtype(model, config)
+        measure = model is not None and max_memory is not None and keeps_states(config)
+        state_bytes = state_bytes_per_sequence(model) if measure else None  # what a budget sets aside per sequence
         layout = KVLayout.from_model(model) if model is not None else None  # tensor-parallel ranks: their heads
         return KVPool.for_config(
             config, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, dtype=dtype, layout=layout,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, max_sequences=max_sequences, state_bytes=state_bytes,
         )
-    if num_blocks is not None or max_memory is not None:
-        raise ValueError("pass either pool= or a size (num_blocks= / max_memory=), not both")
+    if num_blocks is not None or max_memory is not None or max_sequences is not None:
+        raise ValueError("pass either pool= or a size (num_blocks= / max_memory= / max_sequences=), not both")
     if kv_dtype is not None:
         raise ValueError("pass either pool= or kv_dtype=, not both: a shared pool stores keys and values its own way")
     if pool.layout.num_layers != len(windows):

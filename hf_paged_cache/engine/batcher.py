@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.paged_cache import PagedCache
+from ..cache.state_probe import layers_keeping_states_elsewhere
 from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
@@ -135,9 +136,11 @@ class ContinuousBatcher:
                 set_paged_attention(model)
             except NotImplementedError:
                 pass  # e.g. Falcon: its own attention reads the dense K/V; results are exact either way
+        max_running = as_count("max_running", max_running or DEFAULT_MAX_RUNNING, 1)
+        sequences = None if pool is not None or max_memory is None else max_running  # a budget's state slots
         running_cache = PagedCache(
             model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool, manual_commit=True,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, max_sequences=sequences,
         )
         self.pool = running_cache.pool
         self.tokenizer = tokenizer
@@ -152,7 +155,12 @@ class ContinuousBatcher:
         elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
         if running_cache.keeps_states:
-            _check_states_in_cache(model)
+            elsewhere = layers_keeping_states_elsewhere(model)
+            if elsewhere:
+                raise NotImplementedError(
+                    f"{type(model).__name__} keeps the states of layers {elsewhere} in its own modules, outside the "
+                    "cache: a continuous batcher, whose rows come and go, cannot run it (generate with a PagedCache can)"
+                )
             # one packed sequence would run every row's conv and recurrent states as one; drafts a state has taken
             # in cannot be given back
             pack_steps = False
@@ -164,7 +172,7 @@ class ContinuousBatcher:
         self._roles = StepRoles(model, pack_steps, speculator)
         self._scheduler = Scheduler(
             model, running_cache, self._inbox, self._roles,
-            max_running=as_count("max_running", max_running or DEFAULT_MAX_RUNNING, 1),
+            max_running=max_running,
             max_step_tokens=as_count("max_step_tokens", max_step_tokens or DEFAULT_MAX_STEP_TOKENS, 1),
             reserve_new_tokens=reserve_new_tokens,
         )
@@ -363,15 +371,3 @@ def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
         raise ValueError("submit() needs a prompt of at least one token")
     return ids
 
-
-def _check_states_in_cache(model: PreTrainedModel) -> None:
-    """Refuse a model that keeps some layers' conv / recurrent states in its own modules (RecurrentGemma): they
-    would not follow the batch's rows, which come and go. One forward of one token tells."""
-    with PagedCache(model) as probe, torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=probe, use_cache=True)
-        elsewhere = probe.states_kept_elsewhere()
-    if elsewhere:
-        raise NotImplementedError(
-            f"{type(model).__name__} keeps the states of layers {elsewhere} in its own modules, outside the cache: "
-            "a continuous batcher, whose rows come and go, cannot run it (generate with a PagedCache can)"
-        )

@@ -69,11 +69,34 @@ from .memory import (
     check_fits_machine,
     exceeds_machine,
     format_memory,
+    parse_memory,
 )
 from .state_slots import StateSlots
 
 ELASTIC_START_TOKENS = 4096
 """An elastic pool starts with one full context of the model, but at most this many tokens (then grows)."""
+
+DEFAULT_MAX_SEQUENCES = 64
+"""The state slots a `max_memory` budget sets aside for a model with conv / recurrent states, unless told."""
+
+
+def budget_after_states(max_memory: int | str, slots: int, state_bytes: int | None, model_type: str) -> int:
+    """What is left of `max_memory` for blocks once `slots` state slots of `state_bytes` each (and the null slot,
+    as the null block is counted among the blocks) are set aside."""
+    if state_bytes is None:
+        raise ValueError(
+            f"a max_memory budget for {model_type!r}, whose layers keep conv / recurrent states, needs the bytes of "
+            "one sequence's states: build the cache from the model (PagedCache(model, max_memory=...)), which "
+            "measures them, or pass state_bytes="
+        )
+    budget, states = parse_memory(max_memory), (slots + 1) * state_bytes
+    if budget <= states:
+        raise ValueError(
+            f"max_memory={max_memory!r} ({budget:,} bytes) does not hold the states of max_sequences={slots} "
+            f"sequences (({slots} + 1 null slot) x {state_bytes:,} bytes = {states:,}), let alone their blocks: "
+            "give more memory or fewer sequences"
+        )
+    return budget - states
 
 
 class KVPool:
@@ -101,6 +124,9 @@ class KVPool:
     `max_blocks` (as for `BlockPool`): by default each group is fixed at its `num_blocks`; None makes them
     elastic (they grow as needed, see the module docstring for growth and the `storage_lock` protocol). A
     pool larger than this machine's memory (RAM plus accelerators) is refused with `ValueError`.
+
+    A model with linear-attention, SSM or conv layers keeps each sequence's conv and recurrent states in
+    `states` (`StateSlots`): elastic, or fixed at `state_slots` sequences.
     """
 
     def __init__(
@@ -112,6 +138,7 @@ class KVPool:
         dtype: torch.dtype,
         max_blocks: int | None = FIXED,
         kv_dtype: str | torch.dtype | None = None,
+        state_slots: int | None = None,
     ):
         self.layout = layout
         self.dtype = dtype  # what the model computes and reads back
@@ -136,8 +163,9 @@ class KVPool:
         self.keys, self.values = self.storage.keys, self.storage.values
         self.key_scales, self.value_scales = self.storage.key_scales, self.storage.value_scales  # scaled formats only
         self._storage_blocks = [b.num_blocks for b in self.groups]  # blocks each group's tensors hold (or will)
-        # per-sequence conv and recurrent states of linear-attention / SSM / conv layers (empty for other models)
-        self.states = StateSlots(self.storage_lock)
+        # per-sequence conv and recurrent states of linear-attention / SSM / conv layers (empty for other models):
+        # elastic, or fixed at `state_slots` sequences
+        self.states = StateSlots(self.storage_lock, state_slots)
 
     @classmethod
     def for_config(
@@ -150,8 +178,15 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         layout: KVLayout | None = None,
         kv_dtype: str | torch.dtype | None = None,
+        max_sequences: int | None = None,
+        state_bytes: int | None = None,
     ) -> KVPool:
         """A pool for `config`: fixed at `num_blocks` or at what a `max_memory` budget buys, else elastic.
+
+        A model with conv / recurrent states keeps one state slot per sequence: elastic, or fixed at
+        `max_sequences`. A `max_memory` budget holds the slots and the blocks together: it sets aside
+        `max_sequences` slots (default `DEFAULT_MAX_SEQUENCES`) of `state_bytes` each (one sequence's states
+        over every layer: `PagedCache(model, ...)` measures them) and buys blocks with the rest.
 
         `kv_dtype` is how keys and values are stored (see the class docstring); a budget buys blocks of that
         format. `layout` (default: the config's) gives the shapes the model really runs (`KVLayout.from_model`:
@@ -168,6 +203,10 @@ class KVPool:
             raise ValueError("pass num_blocks or max_memory, not both")
         layout = layout or KVLayout.from_config(config)
         stored = kv_format(kv_dtype, dtype)
+        slots = max_sequences
+        if max_memory is not None and layout.state_layers:
+            slots = as_count("max_sequences", max_sequences or DEFAULT_MAX_SEQUENCES, 1)
+            max_memory = budget_after_states(max_memory, slots, state_bytes, config.model_type)
         if max_memory is not None:
             num_blocks = blocks_for_budget(max_memory, layout, block_size, stored)
             per_block = bytes_per_block(layout, block_size, stored)
@@ -175,11 +214,13 @@ class KVPool:
                 num_blocks * per_block, f"max_memory={max_memory!r}", f": {num_blocks:,} blocks x {per_block:,} bytes"
             )
         if num_blocks is not None:
-            return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype)
+            return cls(layout, num_blocks=num_blocks, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
+                       state_slots=slots)
         context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 4096
         tokens = min(context, ELASTIC_START_TOKENS)
         starts = [group.max_blocks_per_row(tokens, block_size) + 1 for group in layout.groups]
-        return cls(layout, num_blocks=starts, block_size=block_size, dtype=dtype, max_blocks=None, kv_dtype=kv_dtype)
+        return cls(layout, num_blocks=starts, block_size=block_size, dtype=dtype, max_blocks=None, kv_dtype=kv_dtype,
+                   state_slots=slots)
 
     @property
     def blocks(self) -> BlockPool:

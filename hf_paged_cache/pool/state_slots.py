@@ -9,9 +9,11 @@ model's, learned from what its layers write).
 
 Slot ids come from a `BlockPool` of one-slot blocks, so they are reference counted like blocks: rows (beams,
 samples, forks) share a slot until a forward writes their states, which gives each writer a slot of its own.
-Slot 0 is the null slot: all zeros, never written. The slots are elastic: the id space starts small and
-doubles when rows need more, each state tensor growing in place (``Tensor.set_``), under the pool's
-`storage_lock` (the protocol in `kv_pool`).
+Slot 0 is the null slot: all zeros, never written. The slots are elastic (the id space starts small and
+doubles when rows need more, each state tensor growing in place, ``Tensor.set_``, under the pool's
+`storage_lock`: the protocol in `kv_pool`), or fixed at `max_slots` sequences, the number a pool sized by a
+memory budget sets aside (`KVPool.for_config`): a step that needs more raises `PoolExhaustedError`, changing
+nothing.
 """
 
 from __future__ import annotations
@@ -35,22 +37,28 @@ StateKey = tuple[int, Literal["conv", "recurrent"], int]
 """One state of one layer: ``(layer index, "conv" or "recurrent", state index within the layer)``."""
 
 START_SLOTS = 8
-"""The slots a pool starts with (the null slot included) before it grows."""
+"""The slots an elastic pool starts with (the null slot included) before it grows."""
+
+STATE_GROUP = "sequence states"
+"""What `PoolExhaustedError.group` names when the state slots ran out."""
 
 
 class StateSlots:
     """Per-sequence conv and recurrent states, addressed by slot id (see the module docstring)."""
 
-    def __init__(self, storage_lock: SharedExclusiveLock, start: int = START_SLOTS):
+    def __init__(self, storage_lock: SharedExclusiveLock, max_slots: int | None = None):
         self.storage_lock = storage_lock  # the pool's: readers hold shared(), growth takes exclusive()
-        self.ids = BlockPool(start, 1, max_blocks=None, on_grow=_grow_hook(self))
+        if max_slots is None:  # elastic
+            self.ids = BlockPool(START_SLOTS, 1, max_blocks=None, on_grow=_grow_hook(self))
+        else:  # fixed: `max_slots` sequences, plus the null slot
+            self.ids = BlockPool(max_slots + 1, 1)
         self.tensors: dict[StateKey, torch.Tensor] = {}  # [num_slots, *state_shape] per state
 
     def take(self, n: int) -> list[int]:
         """`n` fresh slots, each held once (their contents are undefined until written)."""
         slots = self.ids.allocate(n)
-        if slots is None:  # only a capped id space refuses; an elastic one grows or raises KVMemoryError
-            raise PoolExhaustedError(n, self.ids.num_free, self.ids.capacity, 1, "sequence states")
+        if slots is None:  # only a fixed id space refuses; an elastic one grows or raises KVMemoryError
+            raise PoolExhaustedError(n, self.ids.num_free, self.ids.capacity, 0, STATE_GROUP)
         return slots
 
     def read(self, key: StateKey, slots: torch.Tensor) -> torch.Tensor | None:

@@ -320,6 +320,10 @@ def _log_pool(batcher: ContinuousBatcher) -> None:
             logger.info("KV pool, %s: %s blocks of %d tokens, %s keys and values, %s B each (%s B in all); holds %s "
                         "tokens", group.name, f"{blocks.capacity:,}", pool.block_size, pool.kv_format.description, f"{per_block:,}",
                         f"{blocks.capacity * per_block:,}", f"{blocks.capacity * pool.block_size:,}")
+    if pool.layout.state_layers:
+        slots = pool.states.ids
+        logger.info("KV pool, sequence states of %d layers: %s", len(pool.layout.state_layers),
+                    "elastic (grows as needed)" if slots.max_blocks is None else f"{slots.capacity:,} slots, one a request")
 
 
 def server_settings(options: argparse.Namespace) -> ServerSettings:

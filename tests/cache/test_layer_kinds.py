@@ -9,7 +9,8 @@ from tiny_models import TINY_CONFIGS, ragged_batch, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
-from hf_paged_cache import PagedCache, set_paged_attention
+from hf_paged_cache import KVLayout, PagedCache, PoolExhaustedError, bytes_per_block, set_paged_attention
+from hf_paged_cache.cache.state_probe import state_bytes_per_sequence
 from hf_paged_cache.kinds import KINDS, keeps_states
 
 # What PagedCache refuses, at PagedCache(model), with the reason
@@ -183,13 +184,27 @@ def test_a_failed_forward_leaves_states_slots_and_blocks_as_they_were(model_type
 
 
 def test_pool_exhaustion_takes_no_state_slot():
-    from hf_paged_cache import PoolExhaustedError
-
     model = tiny_model("qwen3_next")
     with PagedCache(model, num_blocks=2) as cache, torch.no_grad():  # one usable block: 16 tokens
         with pytest.raises(PoolExhaustedError):
             model(**ragged_batch([0, 0], 12), cache=cache, use_cache=True)
         assert cache.pool.states.ids.num_used == 0 and cache.batch_size == 0
+
+
+def test_a_memory_budget_holds_the_state_slots_and_the_blocks():
+    model = tiny_model("qwen3_next")
+    per_sequence = state_bytes_per_sequence(model)
+    per_block = bytes_per_block(KVLayout.from_config(model.config), 16, torch.float32)
+    budget = 3 * per_sequence + 20 * per_block  # two sequences' slots and the null slot, then 20 blocks
+    with PagedCache(model, max_memory=budget, max_sequences=2) as cache, torch.no_grad():
+        assert cache.pool.num_blocks == 20 and cache.pool.states.ids.capacity == 2
+        with pytest.raises(PoolExhaustedError, match="needs 3 slots for sequence states .* only 2 of 2 are free"):
+            model(**ragged_batch([0, 1, 2], 12), cache=cache, use_cache=True)
+        assert cache.pool.states.ids.num_used == 0 and cache.pool.blocks.num_used == 0 and cache.batch_size == 0
+        model(**ragged_batch([0, 1], 12), cache=cache, use_cache=True)
+        assert cache.pool.storage_bytes() == budget  # every block and slot made: within the budget, exactly
+    with pytest.raises(ValueError, match="does not hold the states of max_sequences=2"):
+        PagedCache(model, max_memory=3 * per_sequence, max_sequences=2)
 
 
 def test_stats_count_state_slots_with_the_blocks():
