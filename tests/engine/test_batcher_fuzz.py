@@ -17,17 +17,20 @@ with NaN first, so a slot read or registered before it is written shows.
 
 Reference: each request alone through generate() with a DynamicCache (sampled ones under the same seed).
 After every step (on the loop thread): no cache holds a pending step, every block's reference count equals
-the block tables' references to it, and every block the prefix index holds is written. At the end: every
-finished request (each choice of a group) is exact and its log-probabilities name its tokens; a failed one
-failed with its own fault; a cancelled one streamed a prefix of its reference; the pool holds no block.
+the block tables' references to it (every state slot's, the rows' references to it), and every block the prefix
+index holds is written. At the end: every finished request (each choice of a group) is exact and its
+log-probabilities name its tokens; a failed one failed with its own fault; a cancelled one streamed a prefix of
+its reference; the pool holds no block and no state slot.
 
 Each case runs twice: as drawn, and with speculative decoding on at every decode step
 (`Speculator(adaptive=False)`: drafts from the requests' own tokens for even seeds, from a draft model, a
 twin of the model, for odd ones), against the same references: a sampled request draws its tokens as it
 would without drafts.
 
-Architectures: Llama, Gemma 3 (sliding-window and full layers) and GPT-2 (learned positions, 64 of them:
-a request that would run past them is refused at submit). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
+Architectures: Llama, Gemma 3 (sliding-window and full layers), GPT-2 (learned positions, 64 of them:
+a request that would run past them is refused at submit) and Qwen3-Next (gated-DeltaNet layers whose conv and
+recurrent states live in the pool's state slots; not speculative: the batcher refuses drafts on such a model;
+``HF_PAGED_CACHE_FUZZ_STATE_MODELS=lfm2,mamba2,...`` runs others). ``HF_PAGED_CACHE_FUZZ_CASES=N`` runs N seeds per
 architecture instead of 3 (docs/batching.md gives a longer run); with ``-s`` each case prints its steps, requests
 and faults.
 """
@@ -229,6 +232,11 @@ def check_step(batcher, nan_blocks: NaNBlocks) -> None:
         )
         counts = {b: blocks.refcount(b) for b in range(1, len(blocks._refcounts)) if blocks.refcount(b)}
         assert counts == dict(held), f"group {group}: reference counts {counts} but tables hold {dict(held)}"
+    if scheduler.running_cache.keeps_states:  # the state slots alike: each held once per row that holds it
+        slots = batcher.pool.states.ids
+        held = collections.Counter(s for cache in caches for s in cache.batch.states.slots if s != NULL_BLOCK)
+        counts = {s: slots.refcount(s) for s in range(1, len(slots._refcounts)) if slots.refcount(s)}
+        assert counts == dict(held), f"state slots: reference counts {counts} but rows hold {dict(held)}"
     check_prefix_index(batcher, nan_blocks)
 
 
@@ -325,6 +333,7 @@ def run_case(model_type: str, seed: int, speculative: bool = False) -> dict:
     for hook in [*hooks, *transient]:
         hook.remove()
     assert all(blocks.num_used == 0 for blocks in batcher.pool.groups), "blocks leaked"
+    assert batcher.pool.states.ids.num_used == 0, "state slots leaked"
     check_prefix_index(batcher, nan_blocks)
     for index, spec in enumerate(specs):
         try:
