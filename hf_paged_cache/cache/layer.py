@@ -80,6 +80,19 @@ class PagedLayer(CacheLayerMixin):
         self._cache.batch.record_past = value
 
     @property
+    def indexer_position_ids(self) -> None:
+        """None: a PagedCache keeps no positions beside a layer's indexer keys (Qwen4-Exp's indexer would)."""
+        return None
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise NotImplementedError(
+                "this model keeps its indexer's position ids on the cache layer (indexer_position_ids), per row, "
+                "which a PagedCache cannot keep in step with its rows: use the model's default cache"
+            )
+
+    @property
     def is_sliding(self) -> bool:
         return self.sliding_window is not None
 

@@ -13,15 +13,16 @@ def check_model(config: PreTrainedConfig, model: PreTrainedModel | None, specs: 
     """Raise `NotImplementedError` for what a `PagedCache` cannot keep (the unsupported layer kinds were
     refused already, by `kinds.layer_kinds`):
 
-    - conv / recurrent states in a cache built from a config: states are kept per forward, which only the
-      model's forward hooks delimit;
+    - conv / recurrent states or indexer keys in a cache built from a config: they are kept per forward, which
+      only the model's forward hooks delimit;
     - a model whose code demands a cache class of its own (MiniMax's lightning attention rejects any other);
     - a model that runs layers more than once per forward, appending cache layers for each extra pass.
     """
-    if model is None and any(spec.kind.state for spec in specs):
+    if model is None and any(spec.kind.state or spec.kind.indexer for spec in specs):
         raise NotImplementedError(
-            f"model type {config.model_type!r} has layers with conv / recurrent states, which a PagedCache keeps "
-            "only when built from the model (PagedCache(model)): its forward hooks say when each forward ends"
+            f"model type {config.model_type!r} has layers with conv / recurrent states or indexer keys, which a "
+            "PagedCache keeps only when built from the model (PagedCache(model)): its forward hooks say when each "
+            "forward ends"
         )
     if model is not None:
         own = own_cache_class(model)

@@ -16,6 +16,7 @@ from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
 from .forward_control import ForwardControl
 from .forward_lifecycle import ForwardLifecycle
+from .indexer_access import IndexerAccess
 from .inputs import install_input_hook, prefix_root, refuse_paged_attention
 from .layer import PagedLayer
 from .layer_io import dense_layer, store_layer
@@ -27,7 +28,7 @@ from .state_probe import state_bytes_per_sequence
 from .stats import CacheStats
 
 
-class PagedCache(BlockSharing, StateAccess, ForwardControl, Cache):
+class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache):
     """A KV cache stored in fixed-size blocks of a shared pool, usable wherever transformers takes a `Cache`.
 
     Each row of the batch owns a block table; blocks are allocated as tokens arrive and shared (by reference

@@ -1,6 +1,5 @@
-"""What one forward of one token tells about a model's conv and recurrent states (they are sized by the model's
-own code, not by its config): how many bytes one sequence's take, and whether the model keeps some in its own
-modules instead of its cache."""
+"""What one forward of one token tells about a model's conv and recurrent states, which are sized by the model's
+own code, not by its config: how many bytes one sequence's take."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ def state_bytes_per_sequence(model: PreTrainedModel) -> int:
     through a `DynamicCache` (each state is ``[1, ...]`` there)."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=_one_token(model), cache=cache, use_cache=True)
+        model(input_ids=one_token(model), cache=cache, use_cache=True)
     total = 0
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -23,15 +22,6 @@ def state_bytes_per_sequence(model: PreTrainedModel) -> int:
     return total
 
 
-def layers_keeping_states_elsewhere(model: PreTrainedModel) -> list[int]:
-    """The layers with conv / recurrent states whose states `model` keeps in its own modules, outside any cache
-    (RecurrentGemma does): they would not follow a cache's rows. From a forward of one token on a `PagedCache`."""
-    from .paged_cache import PagedCache  # noqa: PLC0415 (the cache module imports this one)
-
-    with PagedCache(model) as probe, torch.no_grad():
-        model(input_ids=_one_token(model), cache=probe, use_cache=True)
-        return probe.states_kept_elsewhere()
-
-
-def _one_token(model: PreTrainedModel) -> torch.Tensor:
+def one_token(model: PreTrainedModel) -> torch.Tensor:
+    """``[1, 1]`` token id 0 on the model's device: the input of a probing forward."""
     return torch.zeros(1, 1, dtype=torch.long, device=model.device)

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.paged_cache import PagedCache
-from ..cache.state_probe import layers_keeping_states_elsewhere
+from ..cache.state_probe import one_token
 from ..errors import BatcherClosed
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
@@ -154,8 +154,15 @@ class ContinuousBatcher:
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1), source=draft)
         elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
+        if running_cache.pool.layout.indexer_dims:
+            running_cache.release()
+            raise NotImplementedError(
+                f"{type(model).__name__} has indexed-attention (DSA) layers, which the continuous batcher does not "
+                "run yet: its differential test finds answers that differ from the request alone (generate with a "
+                "PagedCache is exact)"
+            )
         if running_cache.keeps_states:
-            elsewhere = layers_keeping_states_elsewhere(model)
+            elsewhere = _states_kept_elsewhere(model)
             if elsewhere:
                 raise NotImplementedError(
                     f"{type(model).__name__} keeps the states of layers {elsewhere} in its own modules, outside the "
@@ -371,3 +378,10 @@ def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
         raise ValueError("submit() needs a prompt of at least one token")
     return ids
 
+
+def _states_kept_elsewhere(model: PreTrainedModel) -> list[int]:
+    """The layers whose conv / recurrent states `model` keeps in its own modules, outside any cache (RecurrentGemma
+    does): they would not follow the batch's rows. From a forward of one token on a `PagedCache`."""
+    with PagedCache(model) as probe, torch.no_grad():
+        model(input_ids=one_token(model), cache=probe, use_cache=True)
+        return probe.states_kept_elsewhere()

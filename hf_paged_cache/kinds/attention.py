@@ -5,6 +5,12 @@ Full attention keeps every token. A sliding window of `W` keeps the tokens its n
 size: a query sees keys back to the start of its chunk, at most ``C - 1`` before it. It attends with the
 chunked mask transformers builds over the dense keys and values, so the paged attentions, which mask by
 causality and window only, refuse it.
+
+Indexed attention (DeepSeek-V3.2's and GLM-5's DSA) is full attention whose lightning indexer keeps one more
+key per token (``[index_head_dim]``, one head), which picks the keys each query attends to: it is stored in the
+same blocks as the layer's keys and values (``cache.update_indexer``), so blocks share, copy, register by prefix
+and go back with it. The model attends to the keys its indexer picked (a mask on eager and SDPA attention,
+``sparse_indices`` for other kernels): the paged attentions, which attend to every key, refuse it.
 """
 
 from .base import LayerKind
@@ -19,4 +25,9 @@ CHUNKED_ATTENTION = LayerKind(
     stores="keys and values of the last C - 1 tokens (a window of the chunk size)",
 )
 
-KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
+INDEXED_ATTENTION = LayerKind(
+    "indexed_attention", tokens=True, state=False, indexer=True, dense_only=True,
+    stores="keys and values (or MLA's latent) of every token, and its DSA indexer key, in the same blocks",
+)
+
+KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, INDEXED_ATTENTION)

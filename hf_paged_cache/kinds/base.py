@@ -23,9 +23,10 @@ class LayerKind:
     tokens: bool  # keys and values per token, in blocks
     state: bool  # conv and recurrent states per sequence, in state slots
     windowed: bool = False  # the tokens kept are the last `sliding_window` (sliding and chunked attention)
-    # the paged attentions cannot run it: it attends with a mask of the model's own (chunked attention), or with
-    # the dense keys and values another layer's `update` returned (KV sharing)
+    # the paged attentions cannot run it: it attends with a mask of the model's own (chunked attention), to the keys
+    # its indexer picks (DSA), or with the dense keys and values another layer's `update` returned (KV sharing)
     dense_only: bool = False
+    indexer: bool = False  # one more key per token, in the same blocks: DSA's indexer key (`update_indexer`)
     stores: str = ""  # what the kind keeps, in words (the docs' table)
 
     def spec(self, layer_kwargs: dict[str, Any]) -> LayerSpec:

@@ -38,11 +38,15 @@ class LayerStorage:
         self.key_scales: list[torch.Tensor | None] = [None] * layout.num_layers  # scaled formats only
         self.value_scales: list[torch.Tensor | None] = [None] * layout.num_layers
         self._stored: list[tuple[StoredStates, StoredStates] | None] = [None] * layout.num_layers  # `stored`
+        # indexed attention: each token's DSA indexer key, [1, num_blocks * block_size, index_dim] (and scales)
+        self.indexer_keys: list[torch.Tensor | None] = [None] * layout.num_layers
+        self.indexer_scales: list[torch.Tensor | None] = [None] * layout.num_layers
 
     def tensors(self, layer_idx: int) -> list[tuple[str, torch.Tensor | None]]:
         """Every tensor layer `layer_idx` stores (keys, values and their scales), with its name."""
         return [("keys", self.keys[layer_idx]), ("values", self.values[layer_idx]),
-                ("key scales", self.key_scales[layer_idx]), ("value scales", self.value_scales[layer_idx])]
+                ("key scales", self.key_scales[layer_idx]), ("value scales", self.value_scales[layer_idx]),
+                ("indexer keys", self.indexer_keys[layer_idx]), ("indexer key scales", self.indexer_scales[layer_idx])]
 
     def stored(self, layer_idx: int) -> tuple[StoredStates, StoredStates]:
         """Layer `layer_idx`'s keys and values as `StoredStates` (the layer must have storage: see `create`).
@@ -58,6 +62,13 @@ class LayerStorage:
                 StoredStates(values, self.value_scales[layer_idx], self.kv_format, self.dtype),
             )
         return stored
+
+    def stored_indexer(self, layer_idx: int) -> StoredStates:
+        """Layer `layer_idx`'s indexer keys as `StoredStates` (one head; made by `create`)."""
+        keys = self.indexer_keys[layer_idx]
+        if keys is None:
+            raise ValueError(f"layer {layer_idx} keeps no indexer keys")
+        return StoredStates(keys, self.indexer_scales[layer_idx], self.kv_format, self.dtype)
 
     def create(self, layer_idx: int, device: torch.device, num_blocks: int) -> None:
         """Make layer `layer_idx`'s tensors of `num_blocks` blocks on `device`, the null block zeroed.
@@ -84,11 +95,18 @@ class LayerStorage:
                 nbytes,
                 device,
             ) from error
+        indexer_dim = (self.layout.indexer_dims or (0,) * self.layout.num_layers)[layer_idx]
+        indexer = [None, None]
+        if indexer_dim:  # the DSA indexer's key of each token, one head, in the same slots
+            indexer = [_empty((1, slots, indexer_dim), stored.storage, device),
+                       _empty((1, slots, *stored.scale_shape(indexer_dim)), stored.scale_dtype, device)
+                       if stored.scaled else None]
         null = slice(NULL_BLOCK * self.block_size, (NULL_BLOCK + 1) * self.block_size)
         with torch.inference_mode(False):
-            for tensor in (keys, values, *scales):  # padding reads the null block: keep it finite
+            for tensor in (keys, values, *scales, *indexer):  # padding reads the null block: keep it finite
                 if tensor is not None:
                     tensor[:, null] = 0
+        self.indexer_keys[layer_idx], self.indexer_scales[layer_idx] = indexer
         self.key_scales[layer_idx], self.value_scales[layer_idx] = scales
         self.values[layer_idx] = values  # first: whoever sees the keys (read unlocked) sees the values
         self.keys[layer_idx] = keys

@@ -84,7 +84,7 @@ def attention_windows(config: PreTrainedConfig) -> list[int | None]:
 
 def dense_attention_kinds(config: PreTrainedConfig) -> list[str]:
     """The kinds of `config`'s decoder layers that no paged attention can run: chunked attention (a mask of the
-    model's own) and layers that reuse another layer's keys and values (``kv_sharing_modes``: they attend with
+    model's own), indexed attention (the keys its indexer picks) and layers that reuse another layer's keys and values (``kv_sharing_modes``: they attend with
     the dense keys and values the storing layer's `update` returned). Such a model keeps its default attention
     over a `PagedCache`."""
     text = config.get_text_config(decoder=True)
@@ -143,6 +143,7 @@ class KVLayout:
     # layers) keep none, and their `layers` entry is an empty `LayerShape(0, 0, 0)`
     tokens: tuple[bool, ...] | None = None
     state_layers: tuple[int, ...] = ()  # the layers that keep conv / recurrent states per sequence (`StateSlots`)
+    indexer_dims: tuple[int, ...] | None = None  # per layer, its DSA indexer key's width (0: none); None: no layer
 
     def __post_init__(self) -> None:
         if self.windows is not None and len(self.windows) != len(self.layers):
@@ -176,7 +177,7 @@ class KVLayout:
         return tuple(index)
 
     def with_windows(self, windows: Sequence[int | None]) -> KVLayout:
-        return KVLayout(self.layers, self.latent, tuple(windows), self.tokens, self.state_layers)
+        return KVLayout(self.layers, self.latent, tuple(windows), self.tokens, self.state_layers, self.indexer_dims)
 
     @classmethod
     def from_config(cls, config: PreTrainedConfig) -> KVLayout:
@@ -186,7 +187,13 @@ class KVLayout:
         windows = tuple(spec.window for spec in specs)
         tokens = tuple(spec.kind.tokens for spec in specs)
         text = config.get_text_config(decoder=True)
-        num_heads = getattr(text, "num_attention_heads", None)
+        try:
+            num_heads = getattr(text, "num_attention_heads", None)
+        except RuntimeError as error:  # transformers' AmbiguousGlobalPerLayerAttributeError: heads differ by layer
+            raise NotImplementedError(
+                f"model type {config.model_type!r} has layers of different attention shapes (per-layer configs), "
+                "which PagedCache does not read yet; use the model's default cache"
+            ) from error
         if not any(tokens):  # no attention layer (Mamba): nothing per token
             shape = LayerShape(0, 0, 0)
         elif getattr(text, "kv_lora_rank", None):  # DeepSeek-style MLA: one compressed latent + one rotary key
@@ -202,8 +209,10 @@ class KVLayout:
         latent = bool(getattr(text, "kv_lora_rank", None))
         layers = tuple(shape if keeps else LayerShape(0, 0, 0) for keeps in tokens)
         state_layers = tuple(i for i, spec in enumerate(specs) if spec.kind.state)
+        indexer = tuple(getattr(text, "index_head_dim", 0) if spec.kind.indexer else 0 for spec in specs)
         return cls(layers=layers, latent=latent, windows=windows if any(windows) else None,
-                   tokens=None if all(tokens) else tokens, state_layers=state_layers)
+                   tokens=None if all(tokens) else tokens, state_layers=state_layers,
+                   indexer_dims=indexer if any(indexer) else None)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> KVLayout:
@@ -233,19 +242,25 @@ class KVLayout:
                     f"{total} key projection rows, not a whole number of its {shape.num_heads} KV heads"
                 )
             layers.append(LayerShape(heads, shape.key_dim, shape.value_dim))
-        return cls(tuple(layers), layout.latent, layout.windows)
+        return cls(tuple(layers), layout.latent, layout.windows, layout.tokens, layout.state_layers, layout.indexer_dims)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def bytes_per_token(self, dtype: torch.dtype | KVFormat, group: LayerGroup | None = None) -> int:
-        """Bytes one token costs across all layers, or across `group`'s layers (keys and values), stored as
-        `dtype` (a plain dtype, or a `KVFormat`: its scales included)."""
+        """Bytes one token costs across all layers, or across `group`'s layers (keys and values, and indexer keys),
+        stored as `dtype` (a plain dtype, or a `KVFormat`: its scales included)."""
         kv = dtype if isinstance(dtype, KVFormat) else KVFormat(str(dtype), dtype)
-        layers = self.layers if group is None else [self.layers[i] for i in group.layers]
-        return sum(layer.num_heads * (kv.vector_bytes(layer.key_dim) + kv.vector_bytes(layer.value_dim))
-                   for layer in layers)
+        indices = range(len(self.layers)) if group is None else group.layers
+        indexer = self.indexer_dims or (0,) * len(self.layers)
+        total = 0
+        for i in indices:
+            layer = self.layers[i]
+            total += layer.num_heads * (kv.vector_bytes(layer.key_dim) + kv.vector_bytes(layer.value_dim))
+            if indexer[i]:
+                total += kv.vector_bytes(indexer[i])  # the DSA indexer's key: one head
+        return total
 
 
 def _key_head_shares(model: PreTrainedModel, num_layers: int) -> list[tuple[int, int]]:

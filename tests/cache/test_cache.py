@@ -184,10 +184,12 @@ def test_not_a_model_or_config():
     "model_type, message",
     [
         ("t5", "decoder-only models; 't5' is an encoder-decoder model"),
-        ("deepseek_v32", "'deepseek_v32' has layers of type \\['indexed_attention'\\]"),  # DSA indexer keys
-        # states are kept per forward, which only the model's hooks delimit
-        ("qwen3_next", "'qwen3_next' has layers with conv / recurrent states, which a PagedCache keeps only when "
-                       "built from the model"),
+        ("deepseek_v4", "'deepseek_v4' has layers of type \\['compressed_sparse_attention', "  # its own layers
+                        "'heavily_compressed_attention'\\]"),
+        # states and indexer keys are kept per forward, which only the model's hooks delimit
+        ("qwen3_next", "'qwen3_next' has layers with conv / recurrent states or indexer keys, which a PagedCache "
+                       "keeps only when built from the model"),
+        ("deepseek_v32", "'deepseek_v32' has layers with conv / recurrent states or indexer keys"),
     ],
 )
 def test_unsupported_architectures_are_named(model_type, message):

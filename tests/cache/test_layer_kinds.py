@@ -17,19 +17,16 @@ from hf_paged_cache.kinds import KINDS, keeps_states
 REFUSED = {
     "minimax": "MiniMaxForCausalLM keeps its own cache class \\(MiniMaxCache\\)",
     "inkling2_loop_text": "runs some of its layers 2 times per forward",
-    "deepseek_v32": "'deepseek_v32' has layers of type \\['indexed_attention'\\]",
-    "glm_moe_dsa": "has layers of type \\['indexed_attention'\\]",
-    "axk2": "has layers of type \\['indexed_attention'\\]",
-    "hy_v4": "has layers of type \\['indexed_attention'\\]",
-    "dots3_note_text": "has layers of type \\['indexed_attention'\\]",
-    "qwen4_exp_text": "has layers of type \\['indexed_attention'\\]",
+    "dots3_note_text": "has layers of different attention shapes \\(per-layer configs\\)",
     "deepseek_v4": "has layers of type \\['compressed_sparse_attention', 'heavily_compressed_attention'\\]",
 }
-SUPPORTED = [model_type for model_type in LAYER_KIND_CONFIGS if model_type not in REFUSED]
+# What PagedCache refuses at the model's first forward, with the reason (the model's code shows it only then)
+REFUSED_AT_FIRST_FORWARD = {"qwen4_exp_text": "keeps its indexer's position ids on the cache layer"}
+SUPPORTED = [t for t in LAYER_KIND_CONFIGS if t not in REFUSED and t not in REFUSED_AT_FIRST_FORWARD]
 # the models with state layers whose attention layers dispatch through transformers' AttentionInterface (most
 # hybrids keep an attention of their own, which reads the dense keys and values: exact too)
 PAGED_SDPA = ["lfm2", "lfm3", "granitemoehybrid", "zaya"]
-NOT_STORED_YET = {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+NOT_STORED_YET = {"compressed_sparse_attention", "heavily_compressed_attention"}
 PADS = [0, 3, 5]
 GREEDY = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
@@ -89,7 +86,7 @@ def test_paged_attention_refuses_layers_that_reuse_other_layers_keys_and_values(
         set_paged_attention(tiny_model(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "deepseek_v32"])
 @pytest.mark.parametrize(
     "settings",
     [dict(num_beams=3, num_return_sequences=2, do_sample=False), dict(do_sample=True, num_return_sequences=3)],
@@ -245,3 +242,44 @@ def test_unsupported_models_are_refused_at_construction_with_the_reason(model_ty
     model = tiny_model(model_type)
     with pytest.raises(NotImplementedError, match=REFUSED[model_type]):
         PagedCache(model)
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED_AT_FIRST_FORWARD))
+def test_what_the_model_code_shows_only_when_it_runs_is_refused_then_changing_nothing(model_type):
+    model = tiny_model(model_type)
+    with PagedCache(model) as cache:
+        with pytest.raises(NotImplementedError, match=REFUSED_AT_FIRST_FORWARD[model_type]):
+            model.generate(**ragged_batch(PADS, 12), cache=cache, max_new_tokens=2)
+        assert cache.batch_size == 0 and all(blocks.num_used == 0 for blocks in cache.pool.groups)
+
+
+def test_indexer_keys_share_the_blocks_of_their_tokens():
+    model = tiny_model("deepseek_v32")
+    prompt = ragged_batch([0, 3], 20)
+    step = step_after(prompt, 11)
+    with PagedCache(model) as cache, torch.no_grad():
+        model(**prompt, cache=cache, use_cache=True)
+        stats = cache.stats()
+        layout = cache.pool.layout
+        assert stats.groups[0].bytes_per_block == 16 * layout.bytes_per_token(torch.float32)
+        assert layout.bytes_per_token(torch.float32) > KVLayout(layout.layers).bytes_per_token(torch.float32)
+        twin = cache.fork()  # shares every block, indexer keys included; each side copies its partial last block
+        forked = model(**step, cache=twin, use_cache=True)
+        original = model(**step, cache=cache, use_cache=True)
+    expected = dense_logits(model, prompt, step)
+    torch.testing.assert_close(forked.logits, expected, rtol=0, atol=0)
+    torch.testing.assert_close(original.logits, expected, rtol=0, atol=0)
+
+
+
+@pytest.mark.parametrize(
+    "model_type, message",
+    [("deepseek_v32", "indexed-attention \\(DSA\\) layers, which the continuous batcher does not run yet"),
+     ("recurrent_gemma", "keeps the states of layers \\[0\\] in its own modules")],
+)
+def test_the_batcher_refuses_what_it_cannot_run_exactly(model_type, message):
+    from hf_paged_cache import ContinuousBatcher
+
+    model = tiny_model(model_type)
+    with pytest.raises(NotImplementedError, match=message):
+        ContinuousBatcher(model)

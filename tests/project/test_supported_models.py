@@ -16,7 +16,6 @@ from tiny_models import TINY_CONFIGS, tiny_model
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.kinds import keeps_states
 from hf_paged_cache.pool.memory import dense_attention_kinds
 
 PAGE = DOCS / "layer-kinds.md"
@@ -28,11 +27,15 @@ def row(model_type: str) -> str:
     model = tiny_model(model_type)
     config = model.config.get_text_config(decoder=True)
     kinds = ", ".join(sorted(set(get_layer_types_and_kwargs(config)[0])))
+    elsewhere, verdict = [], ""
     try:
-        PagedCache(model).release()
+        with PagedCache(model) as probe, torch.no_grad():  # a forward of one token, as the batcher's start-up check
+            verdict = "refused at its first forward: "
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=probe, use_cache=True)
+            elsewhere = probe.states_kept_elsewhere()
         verdict = "exact"
     except NotImplementedError as error:
-        verdict = "refused: " + str(error).split(" (")[0].split(":")[0]
+        verdict = (verdict if verdict.startswith("refused at") else "refused: ") + _reason(error)
     if verdict != "exact":
         paged = "-"
     elif dense_attention_kinds(model.config):
@@ -41,13 +44,15 @@ def row(model_type: str) -> str:
         paged = "no (its own attention)"
     else:
         paged = "yes"
-    batcher = "-" if verdict != "exact" else "yes"
-    if verdict == "exact" and keeps_states(model.config):
-        with PagedCache(model) as probe, torch.no_grad():  # as the batcher checks at its start
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=probe, use_cache=True)
-            if probe.states_kept_elsewhere():
-                batcher = "refused (states in its own modules)"
+    batcher = "-" if verdict != "exact" else "refused (states in its own modules)" if elsewhere else "yes"
+    if verdict == "exact" and "indexed_attention" in kinds:
+        batcher = "refused (not proven exact yet)"
     return f"| `{model_type}` | {type(model).__name__} | {kinds} | {verdict} | {paged} | {batcher} |"
+
+
+def _reason(error: Exception) -> str:
+    """The error's first clause."""
+    return str(error).split(" (")[0].split(":")[0]
 
 
 def table() -> str:
