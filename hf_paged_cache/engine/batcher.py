@@ -158,8 +158,9 @@ class ContinuousBatcher:
             running_cache.release()
             raise NotImplementedError(
                 f"{type(model).__name__} has indexed-attention (DSA) layers, which the continuous batcher does not "
-                "run yet: its differential test finds answers that differ from the request alone (generate with a "
-                "PagedCache is exact)"
+                "run yet: their indexer's choice of keys depends on the other rows of a left-padded batch (generate "
+                "on a batch differs from each prompt alone, with DynamicCache too), and a batcher's answers must be "
+                "each request's alone (generate with a PagedCache is exact against DynamicCache)"
             )
         if running_cache.keeps_states:
             elsewhere = _states_kept_elsewhere(model)

@@ -46,7 +46,7 @@ def row(model_type: str) -> str:
         paged = "yes"
     batcher = "-" if verdict != "exact" else "refused (states in its own modules)" if elsewhere else "yes"
     if verdict == "exact" and "indexed_attention" in kinds:
-        batcher = "refused (not proven exact yet)"
+        batcher = "refused (its indexer depends on the batch)"
     return f"| `{model_type}` | {type(model).__name__} | {kinds} | {verdict} | {paged} | {batcher} |"
 
 
