@@ -128,16 +128,27 @@ class MemoryPlan:
 def layer_groups(config: PreTrainedConfig) -> dict[LayerGroup, KVLayout]:
     """The model's layer groups (full attention first, then each window), each with its layers' shapes.
 
-    Raises `NotImplementedError` for a model PagedCache does not support, `ValueError` for a config without
+    Raises `NotImplementedError` for a model PagedCache does not support or whose layers keep conv / recurrent
+    states (their size is the model code's, which a config does not tell), `ValueError` for a config without
     attention layers or with layers that cache nothing (0 heads or dims).
     """
     layout = KVLayout.from_config(config)  # NotImplementedError for unsupported models
-    empty = [shape for shape in layout.layers if min(shape.num_heads, shape.key_dim, shape.value_dim) < 1]
-    if not layout.layers or empty:
-        raise ValueError(f"the config has {layout.num_layers} attention layers" + (
+    if layout.state_layers:
+        raise NotImplementedError(
+            f"{config.model_type!r} has {len(layout.state_layers)} layers with conv / recurrent states, whose size "
+            "is the model code's, not the config's, so a plan from the config would leave them out: "
+            "PagedCache(model, max_memory=...) measures them and holds them in the budget (docs/layer-kinds.md)"
+        )
+    shapes = [layout.layers[i] for i in layout.token_layers]  # layers that keep nothing (MLP-only, KV sharing): none
+    empty = [shape for shape in shapes if min(shape.num_heads, shape.key_dim, shape.value_dim) < 1]
+    if not shapes or empty:
+        raise ValueError(f"the config has {len(shapes)} attention layers" + (
             f", caching {empty[0].num_heads} KV heads of key dim {empty[0].key_dim} and value dim "
             f"{empty[0].value_dim}: nothing to plan" if empty else ": nothing to plan"))
-    return {group: KVLayout(tuple(layout.layers[i] for i in group.layers)) for group in layout.groups}
+    indexer = layout.indexer_dims  # DSA: each token's indexer key, in the same blocks
+    return {group: KVLayout(tuple(layout.layers[i] for i in group.layers),
+                            indexer_dims=tuple(indexer[i] for i in group.layers) if indexer else None)
+            for group in layout.groups}
 
 
 def dynamic_positions(window: int | None, length: int) -> int:

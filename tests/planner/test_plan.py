@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from repo_paths import DATA, ROOT
-from tiny_models import VOCAB, ragged_batch, tiny_model
+from tiny_models import VOCAB, ragged_batch, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 import hf_paged_cache.planner.cli as planner_cli
@@ -195,6 +195,22 @@ def test_mla_caches_the_latent():
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     planned = plan_memory(config, prompt_lens=[20, 9], new_tokens=3, dtype="float32", block_size=4, weight_bytes=0)
     assert_close(planned.kv_bytes, measure(model, [20, 9], 3, block_size=4))
+
+
+def test_dsa_indexer_keys_are_planned_with_their_blocks():
+    config = tiny_config("deepseek_v32")  # 2 indexed layers: MLA latent (16 + 8) and an indexer key of 16
+    plan = plan_memory(config, prompt_lens=[20, 9], new_tokens=3, dtype="bfloat16", weight_bytes=0)
+    assert plan.bytes_per_token == 2 * (16 + 8 + 16) * 2
+    model = tiny_model("deepseek_v32")
+    with PagedCache(model, block_size=4) as cache, torch.no_grad():
+        model(**ragged_batch([0], 20), cache=cache, use_cache=True)
+        assert cache.pool.bytes_per_block == 4 * 2 * (16 + 8 + 16) * 4  # float32: the same layout
+
+
+def test_models_with_states_are_refused_with_the_reason():
+    with pytest.raises(NotImplementedError, match="'qwen3_next' has 1 layers with conv / recurrent states, whose size "
+                                                  "is the model code's"):
+        plan_memory(tiny_config("qwen3_next"), prompt_lens=[20], new_tokens=3, dtype="float32", weight_bytes=0)
 
 
 # tiny Gemma 3 (window 12; layers sliding, sliding, full) in float32, blocks of 4 tokens: a block of one layer is
