@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import typing
 
 from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel
@@ -42,9 +43,13 @@ def check_model(config: PreTrainedConfig, model: PreTrainedModel | None, specs: 
 def own_cache_class(model: PreTrainedModel) -> type | None:
     """The `Cache` subclass `model`'s base model declares for its ``cache`` argument, when it is one of the
     model's own (not `Cache` or `DynamicCache`); None otherwise."""
-    forward = type(model.base_model).forward
+    return _declared_cache_class(type(model.base_model))
+
+
+@functools.cache  # a class's annotations do not change; resolving them costs more than a cache's construction
+def _declared_cache_class(model_class: type) -> type | None:
     try:
-        hints = typing.get_type_hints(forward)
+        hints = typing.get_type_hints(model_class.forward)
     except Exception:  # noqa: BLE001 (annotations that do not resolve say nothing about the cache)
         return None
     declared = hints.get("cache", hints.get("past_key_values"))

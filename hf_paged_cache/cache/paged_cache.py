@@ -90,7 +90,8 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         specs = layer_kinds(config)  # raises NotImplementedError for unsupported models
         check_model(config, model, specs)
         windows = [spec.window for spec in specs]
-        self._dense_kinds = dense_attention_kinds(config)  # layer kinds no paged attention can run
+        # layer kinds no paged attention can run
+        self._dense_kinds = dense_attention_kinds(config, [spec.kind.name for spec in specs])
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype, max_sequences)
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[_layer_for(self, idx, spec) for idx, spec in enumerate(specs)])

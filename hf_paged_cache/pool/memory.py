@@ -72,23 +72,14 @@ def format_memory(num_bytes: float, spec: str = ".1f") -> str:
     raise AssertionError("unreachable")
 
 
-def attention_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Each decoder layer's sliding window (None for full attention, and for layers that keep no tokens), read
-    from `config`.
-
-    A chunked-attention layer's window is its chunk size. Raises `NotImplementedError`, naming the model type,
-    for encoder-decoder models and for layer kinds not supported (`kinds.layer_kinds`).
-    """
-    return [spec.window for spec in layer_kinds(config)]
-
-
-def dense_attention_kinds(config: PreTrainedConfig) -> list[str]:
+def dense_attention_kinds(config: PreTrainedConfig, layer_types: Sequence[str] | None = None) -> list[str]:
     """The kinds of `config`'s decoder layers that no paged attention can run: chunked attention (a mask of the
     model's own), indexed attention (the keys its indexer picks) and layers that reuse another layer's keys and values (``kv_sharing_modes``: they attend with
     the dense keys and values the storing layer's `update` returned). Such a model keeps its default attention
-    over a `PagedCache`."""
+    over a `PagedCache`. `layer_types`: the config's, when the caller has read them already."""
     text = config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(text)
+    if layer_types is None:
+        layer_types, _ = get_layer_types_and_kwargs(text)
     kinds = {name for name in layer_types if name in KINDS and KINDS[name].dense_only}
     if "reuse" in (getattr(text, "kv_sharing_modes", None) or ()):
         kinds.add("dummy (KV sharing)")
@@ -182,7 +173,7 @@ class KVLayout:
     @classmethod
     def from_config(cls, config: PreTrainedConfig) -> KVLayout:
         """Every layer's K/V shape and window as the config declares them (`NotImplementedError` for a
-        model whose layers are not plain attention, see `attention_windows`)."""
+        model with layer kinds not supported, see `kinds.layer_kinds`)."""
         specs = layer_kinds(config)
         windows = tuple(spec.window for spec in specs)
         tokens = tuple(spec.kind.tokens for spec in specs)
