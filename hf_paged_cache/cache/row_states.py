@@ -127,11 +127,13 @@ class RowStates:
         else:
             full = torch.cat([previous, inputs], dim=-1)
         self.working[key] = full[..., -kernel:].contiguous()
+        self.store.ensure(key, self.working[key])  # its slots exist before the forward is kept
         self.updated.add(key)
         return full
 
     def update_recurrent(self, key: StateKey, states: torch.Tensor) -> torch.Tensor:
         """Make `states` ``[B, *shape]`` the rows' recurrent state `key` once the forward is kept; returns it."""
+        self.store.ensure(key, states)  # its slots exist before the forward is kept
         self.working[key] = states
         self.updated.add(key)
         return states

@@ -68,8 +68,11 @@ class StateSlots:
             tensor = self.tensors.get(key)
             return None if tensor is None else tensor.index_select(0, slots.to(tensor.device))
 
-    def write(self, key: StateKey, slots: torch.Tensor, states: torch.Tensor) -> None:
-        """Store ``states`` ``[B, *state_shape]`` into `slots` ``[B]`` (distinct, none of them the null slot)."""
+    def ensure(self, key: StateKey, states: torch.Tensor) -> None:
+        """Make state `key`'s slots for states like ``states`` ``[B, *state_shape]`` if none are made yet, or
+        check that they hold such states: before a forward is kept, so that keeping it allocates nothing and
+        fails nowhere. Raises `ValueError` for states of another shape or dtype, `KVMemoryError` when the
+        device cannot allocate the slots; takes `storage_lock.exclusive()` to make them."""
         if key not in self.tensors:
             with self.storage_lock.exclusive():
                 if key not in self.tensors:
@@ -80,6 +83,11 @@ class StateSlots:
                 f"layer {key[0]} wrote a {key[1]} state {tuple(states.shape[1:])} of {states.dtype}, but its slots "
                 f"hold {tuple(tensor.shape[1:])} of {tensor.dtype}: is the pool shared with another model?"
             )
+
+    def write(self, key: StateKey, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Store ``states`` ``[B, *state_shape]`` into `slots` ``[B]`` (distinct, none of them the null slot) of
+        state `key`, whose slots `ensure` made."""
+        tensor = self.tensors[key]
         with self.storage_lock.shared():
             tensor.index_copy_(0, slots.to(tensor.device), states.detach().to(tensor.device))
 

@@ -180,6 +180,24 @@ def test_a_failed_forward_leaves_states_slots_and_blocks_as_they_were(model_type
     torch.testing.assert_close(out.logits, dense_logits(model, prompt, step), rtol=0, atol=0)
 
 
+def test_a_failed_first_forward_holds_no_slot_and_keeping_a_forward_allocates_nothing():
+    model = tiny_model("qwen3_next")
+    prompt = ragged_batch([0, 2], 10)
+
+    def fail(*args):
+        raise Injected("injected in the head")
+
+    with PagedCache(model) as cache, torch.no_grad():
+        handle = model.get_output_embeddings().register_forward_hook(fail)  # after every layer wrote its states
+        with pytest.raises(Injected):
+            model(**prompt, cache=cache, use_cache=True)
+        handle.remove()
+        assert cache.pool.states.ids.num_used == 0 and cache.batch_size == 0
+        assert cache.pool.states.tensors  # the slots were made while the forward ran, not when it would be kept
+        out = model(**prompt, cache=cache, use_cache=True)
+    torch.testing.assert_close(out.logits, dense_logits(model, prompt), rtol=0, atol=0)
+
+
 def test_pool_exhaustion_takes_no_state_slot():
     model = tiny_model("qwen3_next")
     with PagedCache(model, num_blocks=2) as cache, torch.no_grad():  # one usable block: 16 tokens
