@@ -11,14 +11,7 @@ from transformers import PreTrainedModel
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
-from .forward import (
-    Forward,
-    SlotIndex,
-    build_index,
-    keep_from,
-    prefix_token_ids,
-    take_group_blocks,
-)
+from .forward import Forward, SlotIndex, build_index, keep_from, prefix_token_ids, take_group_blocks
 from .inputs import PendingInputs, forward_running, repeated_rows
 from .layer import PagedLayer
 from .row_states import RowStates
