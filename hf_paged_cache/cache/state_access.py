@@ -57,14 +57,14 @@ class StateAccess:
     ) -> torch.Tensor:
         """Append this forward's conv inputs ``[B, channels, q]``; returns what the causal convolution reads
         (the previous state's columns, then the new ones), as `LinearAttentionLayer.update_conv_state`."""
-        states = self._states(layer_idx, conv_states)
+        states = self._states(conv_states)
         return states.update_conv((layer_idx, "conv", state_idx), conv_states, kwargs.get("conv_kernel_size"))
 
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
     ) -> torch.Tensor:
         """Make `recurrent_states` ``[B, ...]`` layer `layer_idx`'s state once this forward is kept; returns it."""
-        states = self._states(layer_idx, recurrent_states)
+        states = self._states(recurrent_states)
         return states.update_recurrent((layer_idx, "recurrent", state_idx), recurrent_states)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -93,9 +93,9 @@ class StateAccess:
     def _state(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
         if self.lifecycle.forward is None and not self.lifecycle.pending.observed:  # outside any forward
             return self.committed_state(layer_idx, kind, state_idx)
-        return self._states(layer_idx).state((layer_idx, kind, state_idx))
+        return self._states().state((layer_idx, kind, state_idx))
 
-    def _states(self, layer_idx: int, like: torch.Tensor | None = None) -> RowStates:
+    def _states(self, like: torch.Tensor | None = None) -> RowStates:
         """The rows' states for the running forward (begun here if no layer has yet); `like` is a state tensor
         ``[B, ...]`` the layer gives, else the observed forward's rows and device are used."""
         if like is not None:
