@@ -15,19 +15,9 @@ and go back with it. The model attends to the keys its indexer picked (a mask on
 
 from .base import LayerKind
 
-FULL_ATTENTION = LayerKind("full_attention", tokens=True, state=False, stores="keys and values of every token")
-SLIDING_ATTENTION = LayerKind(
-    "sliding_attention", tokens=True, state=False, windowed=True,
-    stores="keys and values of the last W - 1 tokens",
-)
-CHUNKED_ATTENTION = LayerKind(
-    "chunked_attention", tokens=True, state=False, windowed=True, dense_only=True,
-    stores="keys and values of the last C - 1 tokens (a window of the chunk size)",
-)
-
-INDEXED_ATTENTION = LayerKind(
-    "indexed_attention", tokens=True, state=False, indexer=True, dense_only=True,
-    stores="keys and values (or MLA's latent) of every token, and its DSA indexer key, in the same blocks",
-)
+FULL_ATTENTION = LayerKind("full_attention", tokens=True, state=False)
+SLIDING_ATTENTION = LayerKind("sliding_attention", tokens=True, state=False, windowed=True)
+CHUNKED_ATTENTION = LayerKind("chunked_attention", tokens=True, state=False, windowed=True, dense_only=True)
+INDEXED_ATTENTION = LayerKind("indexed_attention", tokens=True, state=False, indexer=True, dense_only=True)
 
 KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, INDEXED_ATTENTION)

@@ -27,7 +27,6 @@ class LayerKind:
     # its indexer picks (DSA), or with the dense keys and values another layer's `update` returned (KV sharing)
     dense_only: bool = False
     indexer: bool = False  # one more key per token, in the same blocks: DSA's indexer key (`update_indexer`)
-    stores: str = ""  # what the kind keeps, in words (the docs' table)
 
     def spec(self, layer_kwargs: dict[str, Any]) -> LayerSpec:
         """One layer of this kind, with the arguments transformers gives its cache layer."""

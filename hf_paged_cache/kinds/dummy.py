@@ -4,6 +4,6 @@ default attention, which reads the dense keys and values the storing layer's `up
 
 from .base import LayerKind
 
-DUMMY = LayerKind("dummy", tokens=False, state=False, stores="nothing")
+DUMMY = LayerKind("dummy", tokens=False, state=False)
 
 KINDS = (DUMMY,)

@@ -3,12 +3,7 @@ Hymba), keeping both keys and values per token in blocks and conv and recurrent 
 
 from .base import LayerKind
 
-HYBRID = LayerKind(
-    "hybrid", tokens=True, state=True, stores="keys and values of every token, and each sequence's states",
-)
-HYBRID_SLIDING = LayerKind(
-    "hybrid_sliding", tokens=True, state=True, windowed=True,
-    stores="keys and values of the last W - 1 tokens, and each sequence's states",
-)
+HYBRID = LayerKind("hybrid", tokens=True, state=True)
+HYBRID_SLIDING = LayerKind("hybrid_sliding", tokens=True, state=True, windowed=True)
 
 KINDS = (HYBRID, HYBRID_SLIDING)

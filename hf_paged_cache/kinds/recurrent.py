@@ -8,9 +8,7 @@ recurrent state (e.g. ``[heads, key_dim, value_dim]``), whatever the sequence's 
 
 from .base import LayerKind
 
-LINEAR_ATTENTION = LayerKind(
-    "linear_attention", tokens=False, state=True, stores="conv and recurrent states of each sequence",
-)
-CONV = LayerKind("conv", tokens=False, state=True, stores="conv states of each sequence")
+LINEAR_ATTENTION = LayerKind("linear_attention", tokens=False, state=True)
+CONV = LayerKind("conv", tokens=False, state=True)
 
 KINDS = (LINEAR_ATTENTION, CONV)
