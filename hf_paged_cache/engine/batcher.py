@@ -155,7 +155,6 @@ class ContinuousBatcher:
         elif speculative == "ngram":
             speculator = Speculator(as_count("speculative_tokens", speculative_tokens, 1))
         if running_cache.pool.layout.indexer_dims:
-            running_cache.release()
             raise NotImplementedError(
                 f"{type(model).__name__} has indexed-attention (DSA) layers, which the continuous batcher does not "
                 "run yet: their indexer's choice of keys depends on the other rows of a left-padded batch (generate "
@@ -163,20 +162,18 @@ class ContinuousBatcher:
                 "each request's alone (generate with a PagedCache is exact against DynamicCache)"
             )
         if running_cache.keeps_states:
-            elsewhere = _states_kept_elsewhere(model)
+            if speculator is not None:  # drafts a state has taken in cannot be given back
+                raise NotImplementedError(
+                    f"speculative decoding is not supported on {type(model).__name__}: its conv / recurrent states "
+                    "cannot give back rejected drafts; pass speculative=None"
+                )
+            elsewhere = _states_kept_elsewhere(model)  # a forward of one token: after the checks that cost none
             if elsewhere:
                 raise NotImplementedError(
                     f"{type(model).__name__} keeps the states of layers {elsewhere} in its own modules, outside the "
                     "cache: a continuous batcher, whose rows come and go, cannot run it (generate with a PagedCache can)"
                 )
-            # one packed sequence would run every row's conv and recurrent states as one; drafts a state has taken
-            # in cannot be given back
-            pack_steps = False
-            if speculator is not None:
-                raise NotImplementedError(
-                    f"speculative decoding is not supported on {type(model).__name__}: its conv / recurrent states "
-                    "cannot give back rejected drafts; pass speculative=None"
-                )
+            pack_steps = False  # one packed sequence would run every row's conv and recurrent states as one
         self._roles = StepRoles(model, pack_steps, speculator)
         self._scheduler = Scheduler(
             model, running_cache, self._inbox, self._roles,
