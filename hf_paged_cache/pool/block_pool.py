@@ -4,6 +4,19 @@ Pure Python, no torch: the allocator only hands out integers. The tensors those 
 `kv_pool.KVPool`. A pool is fixed-size, capped (grows up to `max_blocks`) or elastic (grows without a cap).
 Which blocks can be found again by prefix is kept by a `PrefixIndex` (`prefix_index`, whose `hash_block`,
 `block_keys` and `PrefixCacheStats` this module re-exports).
+
+Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block that nobody
+holds stays in the free list with its contents and its key, so `BlockPool.match_prefix` can take it back
+(`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an eviction). A block
+taken back that way is *reused*: freed again, it is evicted after the cached blocks nobody reused (up to half the
+capacity of such blocks, see `FreeBlocks`), so a prefix many requests share outlives a burst of one-off prompts.
+A holder about to change a registered block in place unregisters it first (`forget`, undone by `remember`).
+
+Thread safety: `BlockPool._lock` guards the id space, the free list, the reference counts, the prefix index and
+the counters together, so concurrent caches on one pool never receive the same block, never double-free one and
+never see a half-updated index. Each public method takes it once; none calls user code while holding it
+(`on_grow` runs between two holds, and the growth is decided again after it; listeners of `add_free_listener`,
+which a batcher waiting for room sleeps on, after `free` lets it go).
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from .free_blocks import FreeBlocks
 from .listeners import Listeners
-from .prefix_index import PrefixCacheStats, PrefixIndex, block_keys, hash_block
+from .prefix_index import IndexEntry, PrefixCacheStats, PrefixIndex, block_keys, hash_block
 
 __all__ = [
     "FIXED", "NULL_BLOCK", "BlockPool", "PrefixCacheStats", "as_count", "block_keys", "hash_block",
@@ -86,18 +99,8 @@ class BlockPool:
     held now and ``num_free = capacity - num_used`` (for a capped pool, this includes the room left to grow).
     `can_allocate(n)` is ``n <= num_free``, always True for an elastic pool.
 
-    Prefix caching: a full block can be registered under `hash_block` of its tokens (a `PrefixIndex` keeps
-    them). A registered block that nobody holds stays in the free list with its contents and its key, so
-    `match_prefix` can take it back (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands
-    it out again (an eviction). A block taken back that way is *reused*: freed again, it is evicted after the
-    cached blocks nobody reused (up to half the capacity of such blocks, see `FreeBlocks`), so a prefix many
-    requests share outlives a burst of one-off prompts.
+    Prefix caching and thread safety: see the module docstring.
 
-    Thread safety: `_lock` guards the id space, the free list, the reference counts, the prefix index and the
-    counters together, so concurrent caches on one pool never receive the same block, never double-free one
-    and never see a half-updated index. Each public method takes it once; none calls user code while
-    holding it (`on_grow` runs between two holds, and the growth is decided again after it; listeners of
-    `add_free_listener`, which a batcher waiting for room sleeps on, after `free` lets it go).
     """
 
     def __init__(
@@ -280,6 +283,28 @@ class BlockPool:
     def is_cached(self, block_id: int) -> bool:
         """Whether the block's contents are findable by prefix (so they must not be overwritten in place)."""
         return self._index.is_cached(block_id)
+
+    def lookup(self, block_hash: bytes, tokens: Sequence[int]) -> tuple[int, bytes] | None:
+        """``(block, key)`` if a block is registered under `block_hash` with exactly `tokens`, else None.
+
+        Takes no hold (see `hold_cached`): `lookup_prefix` for one key computed elsewhere.
+        """
+        with self._lock:
+            block_id = self._index.find(block_hash, tuple(tokens))
+        return (block_id, block_hash) if block_id is not None else None
+
+    def forget(self, block_id: int) -> IndexEntry | None:
+        """Make a held block no longer findable by prefix, before its contents change in place. Returns what the
+        index knew of it (None if it was not findable), for `remember` if the change does not happen."""
+        with self._lock:
+            self._check_held(block_id)
+            return self._index.take_out(block_id)
+
+    def remember(self, block_id: int, entry: IndexEntry) -> None:
+        """Make a held block findable again as `forget` found it (its contents unchanged since)."""
+        with self._lock:
+            self._check_held(block_id)
+            self._index.put_back(block_id, entry)
 
     def lookup_prefix(self, tokens: Sequence[int], max_blocks: int, root: bytes = b"") -> list[tuple[int, bytes] | None]:
         """For each of the first `max_blocks` full blocks of `tokens`: ``(block, key)`` if cached, else None.

@@ -33,6 +33,15 @@ def block_keys(tokens: Sequence[int], block_size: int, root: bytes = b"") -> Ite
 
 
 @dataclass(frozen=True)
+class IndexEntry:
+    """What the index knew of one block: its key, its tokens, and whether a prefix hit reused it."""
+
+    block_hash: bytes
+    tokens: tuple[int, ...]
+    reused: bool
+
+
+@dataclass(frozen=True)
 class PrefixCacheStats:
     hits: int  # full blocks found by prefix and held (`hold_cached`)
     misses: int  # full blocks looked up and not found
@@ -83,10 +92,26 @@ class PrefixIndex:
 
     def evict(self, block_id: int) -> None:
         """Forget `block_id`'s contents (it is about to be overwritten), if it was findable."""
-        if block_id in self.cached:
-            del self.by_hash[self.cached.pop(block_id)[0]]
-            self.reused.discard(block_id)
+        if self.take_out(block_id) is not None:
             self.evictions += 1
+
+    def take_out(self, block_id: int) -> IndexEntry | None:
+        """Make `block_id` unfindable and return its entry (for `put_back`), or None if it was not findable."""
+        if block_id not in self.cached:
+            return None
+        block_hash, tokens = self.cached.pop(block_id)
+        del self.by_hash[block_hash]
+        reused = block_id in self.reused
+        self.reused.discard(block_id)
+        return IndexEntry(block_hash, tokens, reused)
+
+    def put_back(self, block_id: int, entry: IndexEntry) -> None:
+        """Undo `take_out` (the block's contents did not change meanwhile), unless its key was registered since."""
+        if entry.block_hash not in self.by_hash and block_id not in self.cached:
+            self.by_hash[entry.block_hash] = block_id
+            self.cached[block_id] = (entry.block_hash, entry.tokens)
+            if entry.reused:
+                self.reused.add(block_id)
 
     def reuse_of(self, block_id: int) -> Reuse:
         """The free-list segment of a block just freed (see `FreeBlocks`)."""
