@@ -11,7 +11,7 @@ from ..pool.kv_pool import KVPool
 from .block_table import BlockTables
 from .forward import ForwardUndo, keep_from
 from .prefix import adopt_longest_prefix
-from .row_states import RowStates
+from .row_states import RowStates, StatesSavepoint
 
 
 class PagedBatch:
@@ -32,7 +32,7 @@ class PagedBatch:
         self.pool = pool
         self.groups = [BlockTables(blocks, root=root) for blocks in pool.groups]
         # each row's conv / recurrent state slot, for models with linear-attention, SSM or conv layers
-        self.states = RowStates(pool.states) if pool.layout.state_layers else None
+        self.states = RowStates(pool.states, pool.layout.state_layers) if pool.layout.state_layers else None
         self.windows = [group.window for group in pool.layer_groups]
         self.is_real = torch.zeros(0, 0, dtype=torch.bool)  # [B, L] False where a position is padding
         self.record_past = False  # sliding groups keep out-of-window blocks until the next `truncate`
@@ -50,14 +50,14 @@ class PagedBatch:
     def savepoint(self) -> ForwardUndo:
         """The rows as they are now, for `restore` (block tables per group and the padding mask)."""
         return ForwardUndo([tables.savepoint() for tables in self.groups], self.is_real,
-                           [] if self.states is None else self.states.savepoint())
+                           StatesSavepoint() if self.states is None else self.states.savepoint())
 
     def restore(self, undo: ForwardUndo) -> None:
         """Bring the rows, their blocks and reference counts back to `undo` (`savepoint`). Call under `lock`."""
         for tables, savepoint in zip(self.groups, undo.tables):
             tables.rollback(savepoint)
         if self.states is not None:
-            self.states.restore(undo.state_slots)
+            self.states.restore(undo.states)
         self.is_real = undo.is_real
 
     def select(self, indices: torch.Tensor | Sequence[int]) -> None:
@@ -125,11 +125,12 @@ class PagedBatch:
             self.is_real = torch.zeros(0, 0, dtype=torch.bool)
 
     def adopt_prefix(self, rows: list[list[int]], device: torch.device) -> int:
-        """Start these unpadded rows from their longest prefix cached in every group; returns its length.
+        """Start these unpadded rows from their longest prefix cached in every group (and, for a model with
+        states, snapshotted after it); returns its length.
 
         Call under `lock`.
         """
-        length = adopt_longest_prefix(self.groups, self.windows, rows)
+        length = adopt_longest_prefix(self.groups, self.windows, rows, self.states)
         self.is_real = torch.ones(len(rows), length, dtype=torch.bool, device=device)
         return length
 

@@ -125,6 +125,17 @@ class BlockTables:
             if tokens is not None:
                 self._register_full_blocks(row)
 
+    def boundaries(self) -> list[tuple[bytes, list[int]] | None]:
+        """Per row, the prefix key and tokens of its last block when the row ends exactly at a registered block
+        boundary (call after `register_full_blocks`), else None: where a row's per-sequence states can be kept
+        as a snapshot of its prefix."""
+        size = self.blocks.block_size
+        found: list[tuple[bytes, list[int]] | None] = []
+        for tokens, hashes, stored in zip(self.token_ids, self.hashes, self.num_tokens):
+            at_boundary = tokens is not None and stored and stored % size == 0 and len(hashes) == stored // size
+            found.append((hashes[-1], tokens[stored - size : stored]) if at_boundary else None)
+        return found
+
     def _register_full_blocks(self, row: int) -> None:
         size, tokens, hashes = self.blocks.block_size, self.token_ids[row], self.hashes[row]
         for i in range(len(hashes), self.num_tokens[row] // size):

@@ -26,6 +26,7 @@ from ..attention.reads import DecodeReads, QueryRows, RowKeys
 from ..errors import PoolExhaustedError
 from ..pool.kv_pool import KVPool
 from .block_table import BlockTables, RowsView, TablesSavepoint, slots_for_positions
+from .row_states import StatesSavepoint
 
 
 @dataclass
@@ -134,7 +135,7 @@ class ForwardUndo:
 
     tables: list[TablesSavepoint]  # per layer group
     is_real: torch.Tensor  # [B, L] the padding mask before the forward
-    state_slots: list[int] = field(default_factory=list)  # per row, its state slot (`RowStates.savepoint`)
+    states: StatesSavepoint = field(default_factory=StatesSavepoint)  # the rows' state slots (`RowStates.savepoint`)
 
 
 def prefix_token_ids(

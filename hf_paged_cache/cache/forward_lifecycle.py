@@ -148,7 +148,8 @@ class ForwardLifecycle:
                 self._reads(group, tables, real.sum(dim=1).tolist(), token_ids, kept[group], sources)
             if batch.states is not None:
                 batch.states.add_rows(batch_size - batch.states.batch_size)  # a first forward's rows
-                batch.states.begin()  # a slot of its own for each row the forward writes
+                padded = (~real).any(dim=1).nonzero().flatten().tolist()  # rows with padding among the new tokens
+                batch.states.begin(padded)  # a slot of its own for each row the forward writes
         except BaseException:
             batch.restore(undo)
             raise
@@ -240,8 +241,8 @@ class ForwardLifecycle:
                 self.batch.drop_drafts(removed)
             for tables in self.batch.groups:
                 tables.commit()
-            if self.batch.states is not None:
-                self.batch.states.commit()
+            if self.batch.states is not None:  # and a snapshot of the states of each row at a block boundary
+                self.batch.states.commit(self.batch.tables.boundaries())
             for layer in self.layers:  # the layers without keys and values count the positions too
                 layer.length = forward.length
             if trimmed:

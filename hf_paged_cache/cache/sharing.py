@@ -90,15 +90,15 @@ class BlockSharing:
         not recomputed; `generate(input_ids, cache=cache)` then computes only the remaining tokens.
         Rows must not be padded. Returns the number of positions reused (a multiple of `block_size`, the
         same for every row, always leaving at least one token to compute). On a model with conv / recurrent
-        states it reuses nothing and returns 0: blocks do not give the states after them.
+        states the prefix must also end where a cache on this pool kept a snapshot of its states: at a block
+        boundary where one of its forwards ended (a decode step that filled a block, a prompt or chunk of whole
+        blocks).
 
         Args:
             input_ids: ``[B, S]`` token ids.
             attention_mask: ``[B, S]``, optional; if given it must be all ones (no padding).
         """
         _check_token_rows(input_ids)
-        if self.keeps_states:
-            return 0  # a prefix's blocks do not give the conv / recurrent states after it (no snapshots yet)
         if self.batch.tables.root is None:
             raise ValueError(
                 "reuse_prefix() needs a cache built from the model (PagedCache(model)): cached blocks are keyed by "

@@ -106,7 +106,7 @@ class StateAccess:
     def committed_state_slots(self) -> list[int]:
         """Each row's state slot as the last committed forward left it (call under the batch's `lock`)."""
         forward = self.lifecycle.forward
-        return list(forward.undo.state_slots if forward is not None else self.batch.states.slots)
+        return list(forward.undo.states.slots if forward is not None else self.batch.states.slots)
 
     def refuse_with_states(self, what: str) -> None:
         """Raise `NotImplementedError` for `what` (``"crop"``, ``"drafts"``), which per-sequence states

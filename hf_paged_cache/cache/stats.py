@@ -45,6 +45,8 @@ class CacheStats:
     # per-sequence conv / recurrent states (linear-attention, SSM and conv layers; 0 for other models)
     state_slots_in_use: int = 0  # distinct state slots the rows hold (shared slots counted once)
     bytes_per_state_slot: int = 0  # one sequence's states over every such layer (as written so far)
+    state_snapshots: int = 0  # pool-wide: slots findable by prefix, each the states after a block boundary
+    state_snapshot_hits: int = 0  # pool-wide: rows that started from a snapshot (`reuse_prefix`)
 
     @classmethod
     def of(cls, groups: Sequence[RowsView], pool: KVPool, state_slots: Sequence[int] = ()) -> CacheStats:
@@ -72,6 +74,7 @@ class CacheStats:
         per_slot = pool.states.bytes_per_slot()
         reserved = sum(g.bytes_reserved for g in per_group) + slots_in_use * per_slot
         used = sum(g.bytes_used for g in per_group) + slots_in_use * per_slot
+        snapshots = pool.states.ids.prefix_stats()
         hits = misses = evictions = 0
         for blocks in pool.groups:
             prefix = blocks.prefix_stats()
@@ -92,4 +95,6 @@ class CacheStats:
             groups=tuple(per_group),
             state_slots_in_use=slots_in_use,
             bytes_per_state_slot=per_slot,
+            state_snapshots=snapshots.cached_blocks,
+            state_snapshot_hits=snapshots.hits,
         )
