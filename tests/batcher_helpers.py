@@ -36,3 +36,4 @@ def wait_until(condition, timeout=60.0):
 
 def assert_pool_empty(batcher):
     assert all(blocks.num_used == 0 for blocks in batcher.pool.groups)
+    assert batcher.pool.states.ids.num_used == 0

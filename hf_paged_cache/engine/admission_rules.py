@@ -2,7 +2,8 @@
 
 Whether a request may start at all (`never_fits`), whether it should wait for a prefix another request is
 computing (`waits_for_prefix`), whether it fits now without reservation (`fits_with_headroom`; with
-reservation, `admission.pool_holds`), and whether a running request can never grow (`fills_a_group`).
+reservation, `admission.pool_holds`), whether a running request can never grow (`fills_a_group`), and where a
+prompt chunk of a model with states ends (`snapshot_chunk_end`).
 """
 
 from __future__ import annotations
@@ -62,3 +63,17 @@ def common_full_blocks(a: list[int], b: list[int], limit: int, size: int) -> int
         if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
             return i
     return min(limit, len(b) // size)
+
+
+def snapshot_chunk_end(done: int, end: int, length: int, block_size: int) -> int:
+    """Where the prompt chunk from `done` to at most `end` ends on a model with conv / recurrent states, whose
+    states are kept as a snapshot only where a forward ends at a block boundary (`RowStates`): at the prompt's
+    last block boundary before its end when the chunk would pass it (so a later prompt that repeats this one
+    starts from there), else, short of the prompt's end, at the last block boundary in it, if any."""
+    end = min(end, length)
+    last = (length - 1) // block_size * block_size  # the last boundary that leaves a token to compute
+    if done < last < end:
+        return last
+    if end < last and end // block_size * block_size > done:
+        return end // block_size * block_size
+    return end

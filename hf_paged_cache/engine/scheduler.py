@@ -11,7 +11,9 @@ chunks), then decode (`running`: one row each of the running cache, in order). E
    waits for them (behind it, the requests that share nothing are admitted) rather than computing them twice;
 2. **plan** a decode row for every running request and the prompt chunks of the prefilling ones, oldest
    first, `max_step_tokens` prompt tokens in all (`plan`); `StepRoles` gives each row the rest of its role
-   (packed or apart, drafts, constraints: `engine.roles`), and the executor runs the plan as it says;
+   (packed or apart, drafts, constraints: `engine.roles`), and the executor runs the plan as it says; on a
+   model with conv / recurrent states a chunk ends at a block boundary (`snapshot_chunk_end`), where its
+   states are kept as a snapshot a later prompt can start from;
 3. **apply** what the step kept (`apply`): the roles learn from it, each picked token joins its request (and
    its constraints follow it); a request whose prompt is
    done joins the running batch by block table (no key or value is copied); a finished request leaves at
@@ -47,7 +49,14 @@ from transformers import PreTrainedModel
 from ..cache.paged_cache import PagedCache
 from ..errors import PoolExhaustedError
 from .admission import lifetimes_in_flight, pool_holds
-from .admission_rules import blocks_needed, fills_a_group, fits_with_headroom, never_fits, waits_for_prefix
+from .admission_rules import (
+    blocks_needed,
+    fills_a_group,
+    fits_with_headroom,
+    never_fits,
+    snapshot_chunk_end,
+    waits_for_prefix,
+)
 from .inbox import Inbox
 from .outcomes import Counts, Outcomes
 from .plan import Chunk, StepPlan
@@ -63,6 +72,14 @@ class Prefill:
     request: Request
     cache: PagedCache
     done: int
+
+    def next_chunk(self, budget: int, keeps_states: bool) -> Chunk:
+        """Its next prompt chunk, at most `budget` tokens; on a model with states (`keeps_states`) it ends where
+        `snapshot_chunk_end` says, so that its states are kept at the prompt's last block boundary."""
+        end, tokens = self.done + budget, self.request.tokens
+        if keeps_states:
+            end = snapshot_chunk_end(self.done, end, len(tokens), self.cache.pool.block_size)
+        return Chunk(self.request, self.cache, self.done, tokens[self.done : end])
 
 
 class Scheduler:
@@ -136,9 +153,8 @@ class Scheduler:
         for prefill in self.prefilling:
             if budget <= 0:
                 break
-            tokens = prefill.request.tokens[prefill.done : prefill.done + budget]
-            chunks.append(Chunk(prefill.request, prefill.cache, prefill.done, tokens))
-            budget -= len(tokens)
+            chunks.append(prefill.next_chunk(budget, self.running_cache.keeps_states))
+            budget -= len(chunks[-1].tokens)
         return self.roles.plan(list(self.running), self.running_cache, chunks)
 
     def apply(self, plan: StepPlan, result: StepResult) -> None:

@@ -1,4 +1,5 @@
-"""Admission with reservation: the peak of the blocks in flight, and a request admitted beside a longer one."""
+"""Admission with reservation: the peak of the blocks in flight, a request admitted beside a longer one, and where
+a prompt chunk of a model with states ends."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,6 +8,7 @@ from tiny_models import tiny_model
 
 from hf_paged_cache import ContinuousBatcher
 from hf_paged_cache.engine.admission import Lifetime, peak_blocks
+from hf_paged_cache.engine.admission_rules import snapshot_chunk_end
 
 
 def every_step_peak(lifetimes: list[Lifetime], block_size: int, cap: int) -> int:
@@ -55,3 +57,21 @@ def test_a_short_request_runs_beside_a_long_one_it_could_not_join_at_its_longest
         assert short_run.finish_time < long_run.finish_time
         assert batcher.preemptions == 0
     assert_pool_empty(batcher)
+
+
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(1, 200), budgets=st.lists(st.integers(1, 80), min_size=1, max_size=400),
+       size=st.sampled_from([1, 4, 16]))
+def test_chunks_of_a_model_with_states_cover_the_prompt_and_stop_at_its_last_block_boundary(length, budgets, size):
+    """Whatever each step's budget, the chunks cover the prompt in order, each within its budget, and one of them
+    ends at the last block boundary before the prompt's end (where a repeat of the prompt starts)."""
+    done, ends = 0, []
+    for budget in budgets:
+        if done == length:
+            break
+        end = snapshot_chunk_end(done, done + budget, length, size)
+        assert done < end <= min(done + budget, length)
+        done = end
+        ends.append(end)
+    last = (length - 1) // size * size
+    assert last == 0 or done < last or last in ends

@@ -251,3 +251,17 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model_type)
     with ContinuousBatcher(model, block_size=4, max_running=8, max_step_tokens=8) as batcher:
         assert batcher.generate(prompts, max_new_tokens=5) == expected
         assert batcher.stats().prefix_hit_tokens == 3 * 32
+
+
+def test_a_repeated_prompt_on_a_model_with_states_starts_from_its_snapshot():
+    """The prompt's chunks end at its last block boundary, where its states are kept; the repeat (and a
+    follow-up that extends it) start there, and get the tokens generate gives each alone."""
+    model = tiny_model("lfm2")
+    prompt = requests(1, seed=5)[0][0][:10] * 4  # 40 tokens: chunks 0-32 and 32-40
+    follow_up = prompt + [7, 8, 9]
+    expected = [alone(model, tokens, max_new_tokens=6) for tokens in (prompt, prompt, follow_up)]
+    with ContinuousBatcher(model, block_size=16, max_step_tokens=64) as batcher:
+        got = [batcher.submit(tokens, max_new_tokens=6).result(timeout=60) for tokens in (prompt, prompt, follow_up)]
+        assert batcher.stats().prefix_hit_tokens == 64  # 32 tokens each for the repeat and the follow-up
+    assert got == expected
+    assert_pool_empty(batcher)

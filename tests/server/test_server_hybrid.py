@@ -1,6 +1,7 @@
 """The server on a model with linear-attention layers (a tiny Qwen3-Next: gated DeltaNet and full attention), as
 users meet it: the official client, concurrent and streamed requests, log-probabilities, a cancelled stream; its
-conv / recurrent states kept per request in the pool's state slots, speculation off by itself."""
+conv / recurrent states kept per request in the pool's state slots, a repeated prompt started from a snapshot of
+them, speculation off by itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from server_process import CONTEXT, KEY, NAME, free_port, generate_alone, run_server, token_ids
+from server_process import CONTEXT, KEY, NAME, free_port, generate_alone, metric, metrics_text, run_server, token_ids
 from repo_paths import DATA
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,3 +98,21 @@ def test_speculation_is_off_by_itself_and_refused_when_asked_for(server, model_d
                            "--port", str(free_port())], capture_output=True, text=True, timeout=180)
     assert done.returncode != 0
     assert "speculative decoding is not supported on Qwen3NextForCausalLM" in done.stderr
+
+
+def test_a_repeated_prompt_starts_from_the_snapshot_of_its_states(server, reference):
+    """A 40-token prompt is prefilled up to its last block boundary (32 tokens), where its states are kept: the
+    same prompt again takes those 32 tokens from the prefix cache, and both answers are generate's alone."""
+    model, tokenizer = reference
+    client = client_of(server)
+    prompt = "a snapshot of the states, please: " + "0123456789"[: 40 - 34]
+    ids = tokenizer(prompt).input_ids
+    assert 32 < len(ids) < 48
+    expected = generate_alone(model, ids, 6)
+    hits = metric(metrics_text(server), "hf_paged_cache_prefix_cache_hit_tokens_total")
+    for _ in range(2):
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                                           extra_body={"return_tokens_as_token_ids": True})
+        got = token_ids(answer.choices[0].logprobs.tokens)
+        assert got == expected[: len(got)] and len(expected) - len(got) <= 1
+    assert metric(metrics_text(server), "hf_paged_cache_prefix_cache_hit_tokens_total") - hits == 32
