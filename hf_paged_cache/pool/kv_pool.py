@@ -207,6 +207,8 @@ class KVPool:
         if max_memory is not None and layout.state_layers:
             slots = as_count("max_sequences", max_sequences or DEFAULT_MAX_SEQUENCES, 1)
             max_memory = budget_after_states(max_memory, slots, state_bytes, config.model_type)
+            if not layout.token_layers:  # state layers only: blocks hold no bytes, so they stay elastic
+                max_memory = None
         if max_memory is not None:
             num_blocks = blocks_for_budget(max_memory, layout, block_size, stored)
             per_block = bytes_per_block(layout, block_size, stored)
