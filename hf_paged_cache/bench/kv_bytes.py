@@ -27,10 +27,12 @@ def kv_bytes_per_token(config: transformers.PreTrainedConfig, dtype: torch.dtype
 
 
 def cache_tensor_bytes(cache: transformers.Cache) -> int:
-    """Bytes of the key and value tensors a dense cache (Dynamic or Static) holds right now."""
+    """Bytes of the key and value tensors a dense cache (Dynamic or Static) holds right now, and of the conv and
+    recurrent states of its linear-attention layers."""
     total = 0
     for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        states = (*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values())
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), *states):
             if isinstance(tensor, torch.Tensor):
                 total += tensor.numel() * tensor.element_size()
     return total

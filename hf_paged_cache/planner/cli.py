@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reserved, as PagedCache(num_blocks=) and ContinuousBatcher(num_blocks=) build it (default: what "
         "--max-memory minus the weights buys)")
     add("--max-cache-len", type=int, help="StaticCache length (default: longest prompt + new tokens)")
+    add("--state-bytes", type=int, help="a model with conv / recurrent states: one sequence's state bytes "
+        "(default: measured from the config by one token's forward on the meta device)")
+    add("--max-sequences", type=int, help="a model with states: the state slots PagedCache sets aside under "
+        "--max-memory, so the most sequences it holds (default: 64, as PagedCache(model, max_memory=...))")
     add("--json", action="store_true", help="print the plan as JSON instead of tables")
     return parser
 
@@ -85,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = plan_memory(config, batch_size=args.batch, prompt_lens=args.prompt_len, new_tokens=args.new_tokens,
                            dtype=args.dtype, kv_dtype=args.kv_dtype, block_size=args.block_size, max_memory=args.max_memory,
                            num_blocks=args.num_blocks, max_cache_len=args.max_cache_len, weight_bytes=weights,
-                           model_name=args.model or DEFAULT_MODEL)
+                           model_name=args.model or DEFAULT_MODEL, state_bytes=args.state_bytes,
+                           max_sequences=args.max_sequences)
     except (ValueError, NotImplementedError) as error:
         parser.error(one_line(error, limit=500))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))

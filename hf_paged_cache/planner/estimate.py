@@ -45,8 +45,10 @@ from transformers import PreTrainedConfig
 
 from ..models import resolve_model_path
 from ..pool.kv_format import KVFormat, kv_format
+from ..pool.kv_pool import DEFAULT_MAX_SEQUENCES
 from ..pool.memory import KVLayout, LayerGroup, LayerShape, bytes_per_block, parse_memory
 from .config_limits import load_config
+from .states import state_bytes_from_config
 from .weights import WeightEstimate, dtype_name, torch_dtype, weights_from_config, weights_from_folder
 
 DEFAULT_BATCH, DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 32, 512, 256
@@ -112,6 +114,8 @@ class MemoryPlan:
     paged_pool: PoolFit | None  # the fixed pool's fit per layer group (given num_blocks or max_memory)
     rows_that_fit: dict[str, int] | None  # cache name -> rows of this batch's mix that fit (Dynamic/Static: max_memory)
     assumptions: tuple[str, ...]
+    state_bytes: int = 0  # one sequence's conv / recurrent states (every cache holds them per row; 0: no such layers)
+    max_sequences: int | None = None  # PagedCache's state slots under max_memory (None: no states, or no budget)
 
     @property
     def batch_size(self) -> int:
@@ -128,20 +132,13 @@ class MemoryPlan:
 def layer_groups(config: PreTrainedConfig) -> dict[LayerGroup, KVLayout]:
     """The model's layer groups (full attention first, then each window), each with its layers' shapes.
 
-    Raises `NotImplementedError` for a model PagedCache does not support or whose layers keep conv / recurrent
-    states (their size is the model code's, which a config does not tell), `ValueError` for a config without
-    attention layers or with layers that cache nothing (0 heads or dims).
+    Raises `NotImplementedError` for a model PagedCache does not support, `ValueError` for a config without
+    attention or state layers or with attention layers that cache nothing (0 heads or dims).
     """
     layout = KVLayout.from_config(config)  # NotImplementedError for unsupported models
-    if layout.state_layers:
-        raise NotImplementedError(
-            f"{config.model_type!r} has {len(layout.state_layers)} layers with conv / recurrent states, whose size "
-            "is the model code's, not the config's, so a plan from the config would leave them out: "
-            "PagedCache(model, max_memory=...) measures them and holds them in the budget (docs/layer-kinds.md)"
-        )
     shapes = [layout.layers[i] for i in layout.token_layers]  # layers that keep nothing (MLP-only, KV sharing): none
     empty = [shape for shape in shapes if min(shape.num_heads, shape.key_dim, shape.value_dim) < 1]
-    if not shapes or empty:
+    if (not shapes and not layout.state_layers) or empty:  # a pure SSM keeps states only: its one group is empty
         raise ValueError(f"the config has {len(shapes)} attention layers" + (
             f", caching {empty[0].num_heads} KV heads of key dim {empty[0].key_dim} and value dim "
             f"{empty[0].value_dim}: nothing to plan" if empty else ": nothing to plan"))
@@ -202,6 +199,8 @@ def plan_memory(
     max_cache_len: int | None = None,
     weight_bytes: int | WeightEstimate | None = None,
     model_name: str | None = None,
+    state_bytes: int | None = None,
+    max_sequences: int | None = None,
 ) -> MemoryPlan:
     """The KV memory of one batch with each cache, and how many such rows fit beside the weights.
 
@@ -214,6 +213,11 @@ def plan_memory(
     With both, the pool must fit beside the weights (`ValueError` if not). DynamicCache's and StaticCache's fit
     need `max_memory`. `kv_dtype` is how PagedCache stores keys and values (`PagedCache`'s argument; default:
     `dtype`); DynamicCache and StaticCache store `dtype`.
+
+    A model with conv / recurrent states holds `state_bytes` per row in every cache (default: measured from the
+    config, `planner.states`); under `max_memory` a PagedCache pool sets aside `max_sequences` state slots (default
+    64, as ``PagedCache(model, max_memory=...)``; the batcher's is its ``max_running``) and the null slot, and buys
+    blocks with the rest, so its rows are also at most `max_sequences`.
     """
     dtype, layouts = torch_dtype(dtype), layer_groups(config)  # NotImplementedError for unsupported models
     lens = _prompt_lens(prompt_lens, batch_size)
@@ -240,8 +244,13 @@ def plan_memory(
               "PagedCache": sum(row_blocks) * per_block}
         shapes = tuple(dict.fromkeys(layout.layers))  # distinct, in layer order
         groups.append(GroupPlan(group.name, window, layout.num_layers, shapes, per_token, per_block, kv))
-    kv_bytes = {cache: sum(g.kv_bytes[cache] for g in groups) for cache in CACHES}
+    states = _state_bytes(config, dtype, state_bytes)
+    kv_bytes = {cache: sum(g.kv_bytes[cache] for g in groups) + len(lens) * states for cache in CACHES}
     per_block = sum(g.bytes_per_block for g in groups)
+    slots = None
+    if states and max_memory is not None:
+        slots = bounded_count("max_sequences", DEFAULT_MAX_SEQUENCES if max_sequences is None else max_sequences, 1,
+                              MAX_ROWS)
 
     fit, paged_pool = None, None
     if max_memory is not None:
@@ -251,11 +260,14 @@ def plan_memory(
         if num_blocks is not None and num_blocks * per_block > free:
             raise ValueError(f"a pool of num_blocks={num_blocks} in every layer group takes {num_blocks * per_block:,} "
                              f"bytes, more than the {max(free, 0):,} bytes that max_memory leaves beside the weights")
-    if num_blocks is not None or max_memory is not None:
+    if num_blocks is not None or (max_memory is not None and per_block):
         sized_by = "num_blocks" if num_blocks is not None else "max_memory"
-        blocks = num_blocks if num_blocks is not None else max(free, 0) // per_block
+        for_blocks = max(free - (slots + 1) * states if slots else free, 0) if max_memory is not None else 0
+        blocks = num_blocks if num_blocks is not None else for_blocks // per_block
         paged_pool = pool_fit(layouts, [p + new_tokens for p in lens], block_size, blocks, sized_by)
-        fit = {**(fit or {}), "PagedCache": paged_pool.rows}
+        fit = {**(fit or {}), "PagedCache": paged_pool.rows if slots is None else min(paged_pool.rows, slots)}
+    elif max_memory is not None:  # blocks hold no bytes (state layers only): the slots alone bound the rows
+        fit = {**fit, "PagedCache": slots if free >= (slots + 1) * states else 0}
     return MemoryPlan(
         model=model_name or config.name_or_path or config.model_type, dtype=dtype_name(dtype), kv_dtype=stored.name,
         block_size=block_size,
@@ -263,8 +275,18 @@ def plan_memory(
         bytes_per_token=sum(g.bytes_per_token for g in groups), bytes_per_block=per_block,
         paged_blocks=total_blocks, kv_bytes=kv_bytes, weights=weight_bytes, max_memory=max_memory,
         paged_pool=paged_pool, rows_that_fit=fit,
-        assumptions=_assumptions(config, groups, max_memory, paged_pool, stored, dtype),
+        assumptions=_assumptions(config, groups, max_memory, paged_pool, stored, dtype, states),
+        state_bytes=states, max_sequences=slots,
     )
+
+
+def _state_bytes(config: PreTrainedConfig, dtype: torch.dtype, given: int | None) -> int:
+    """One sequence's state bytes: `given`, else measured from the config for a model with states, else 0."""
+    if not KVLayout.from_config(config).state_layers:
+        return 0
+    if given is not None:
+        return bounded_count("state_bytes", given, 1, MAX_BLOCKS)
+    return state_bytes_from_config(config, dtype)
 
 
 def bounded_count(name: str, value: object, low: int, high: int, hint: str = "") -> int:
@@ -299,7 +321,7 @@ def _prompt_lens(prompt_lens: int | Sequence[int], batch_size: int | None) -> li
 
 def _assumptions(
     config: PreTrainedConfig, groups: list[GroupPlan], max_memory: int | None, pool: PoolFit | None,
-    stored: KVFormat, dtype: torch.dtype,
+    stored: KVFormat, dtype: torch.dtype, states: int = 0,
 ) -> tuple[str, ...]:
     notes = [
         "Each row stores prompt + new tokens; generate stores one fewer (its last token is never fed back) "
@@ -319,6 +341,12 @@ def _assumptions(
                      "a row fits when its most blocks during a step fit in every group, so the rows that fit are "
                      "those of the group that holds fewest (it binds). ContinuousBatcher admits that many such "
                      "requests at once (max_new_tokens = new tokens + 1), at most max_running (64 by default).")
+    if states:
+        notes.append("Conv / recurrent states: one sequence's, measured by a forward of one token on the meta device "
+                     "(the model code's shapes, no weights), are held once per row by every cache, whatever its "
+                     "length. Under max_memory, PagedCache sets aside max_sequences slots (and the null slot) "
+                     "before it buys blocks, as PagedCache(model, max_memory=...) does; ContinuousBatcher sets aside "
+                     "max_running. Prefix snapshots of states live in free slots and are not planned.")
     if getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
         notes.append("MLA: the cache holds the compressed latent, 1 head of kv_lora_rank as keys and "
                      "qk_rope_head_dim as values (transformers 5.24), not per-head keys and values.")

@@ -20,7 +20,8 @@ def format_plan(plan: MemoryPlan) -> str:
              f"{plan.batch_size} rows: {prompts} + {plan.new_tokens} new tokens each; PagedCache blocks of "
              f"{plan.block_size} tokens; StaticCache max_cache_len {plan.max_cache_len}.", "",
              *_layer_table(plan), "",
-             f"Weights: {format_bytes(plan.weights.num_bytes)} ({plan.weights.source}).", "", *_cache_table(plan)]
+             f"Weights: {format_bytes(plan.weights.num_bytes)} ({plan.weights.source}).", "", *_state_lines(plan),
+             *_cache_table(plan)]
     if plan.free_bytes is not None:
         lines += ["", f"Free for the KV cache: {format_bytes(plan.max_memory)} - "
                   f"{format_bytes(plan.weights.num_bytes)} of weights = {format_bytes(max(plan.free_bytes, 0))}."]
@@ -41,6 +42,16 @@ def _layer_table(plan: MemoryPlan) -> list[str]:
         lines.append(f"| {sum(g.num_layers for g in plan.groups)} | all | | {plan.bytes_per_token:,} B | "
                      f"{format_bytes(plan.bytes_per_block)} |")
     return lines
+
+
+def _state_lines(plan: MemoryPlan) -> list[str]:
+    """One sequence's conv / recurrent states, in every cache's bytes below (nothing for a model without)."""
+    if not plan.state_bytes:
+        return []
+    slots = (f"; PagedCache sets aside {plan.max_sequences} slots of them (max_sequences) before it buys blocks"
+             if plan.max_sequences else "")
+    return [f"Conv / recurrent states: {format_bytes(plan.state_bytes)} per sequence, held per row by every cache "
+            f"(included below){slots}.", ""]
 
 
 def _cache_table(plan: MemoryPlan) -> list[str]:
@@ -66,12 +77,15 @@ def _pool_lines(plan: MemoryPlan, pool: PoolFit) -> list[str]:
     """The fixed PagedCache pool: its blocks, and for several layer groups the rows each group holds."""
     sized = "as num_blocks asks" if pool.sized_by == "num_blocks" else "what the free memory buys"
     head = f"PagedCache pool: {pool.num_blocks:,} blocks of {plan.block_size} tokens"
+    slots = plan.max_sequences
+    capped = (f" Its {slots} state slots (max_sequences) hold {slots} of them." if slots is not None and slots < pool.rows
+              else "")
     if len(plan.groups) == 1:
-        return [f"{head} ({sized}; block 0 is the reserved null block): {pool.rows:,} rows of this mix fit."]
+        return [f"{head} ({sized}; block 0 is the reserved null block): {pool.rows:,} rows of this mix fit.{capped}"]
     lines = [f"{head} in every layer group ({sized}; block 0 is the reserved null block), so the group that "
              "holds the fewest rows binds:", "",
              "| layer group | blocks the batch's rows hold at most | rows that fit |", "|---|---:|---:|"]
     for name, rows in pool.rows_per_group.items():
         binds = " (binds)" if name == pool.binding_group else ""
         lines.append(f"| {name} | {pool.peak_blocks[name]:,} | {rows:,}{binds} |")
-    return lines
+    return [*lines, "", capped.strip()] if capped else lines

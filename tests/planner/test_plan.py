@@ -24,6 +24,7 @@ from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.bench.kv_bytes import cache_tensor_bytes
 from hf_paged_cache.models import resolve_model_path
 from hf_paged_cache.planner import (
+    format_bytes,
     format_plan,
     load_config_and_weight_bytes,
     main,
@@ -207,10 +208,42 @@ def test_dsa_indexer_keys_are_planned_with_their_blocks():
         assert cache.pool.bytes_per_block == 4 * 2 * (16 + 8 + 16) * 4  # float32: the same layout
 
 
-def test_models_with_states_are_refused_with_the_reason():
-    with pytest.raises(NotImplementedError, match="'qwen3_next' has 1 layers with conv / recurrent states, whose size "
-                                                  "is the model code's"):
-        plan_memory(tiny_config("qwen3_next"), prompt_lens=[20], new_tokens=3, dtype="float32", weight_bytes=0)
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "mamba2"])
+def test_states_are_planned_as_the_caches_hold_them(model_type):
+    """One sequence's conv / recurrent states, measured from the config on the meta device, are the bytes a
+    PagedCache's slot and a DynamicCache's row hold; under a budget the pool sets aside max_sequences slots."""
+    model = tiny_model(model_type)
+    batch = ragged_batch([0, 3], 12)
+    plan = plan_memory(model.config, prompt_lens=[12, 9], new_tokens=0, dtype="float32", block_size=4,
+                       weight_bytes=0)
+    with PagedCache(model, block_size=4) as cache, torch.no_grad():
+        model(**batch, cache=cache, use_cache=True)
+        stats = cache.stats()
+    assert plan.state_bytes == stats.bytes_per_state_slot > 0
+    assert plan.kv_bytes["PagedCache"] == stats.bytes_reserved
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**batch, cache=dynamic, use_cache=True)
+    assert plan.kv_bytes["DynamicCache"] == cache_tensor_bytes(dynamic)
+    budget = plan_memory(model.config, prompt_lens=[12, 9], new_tokens=0, dtype="float32", block_size=4,
+                         weight_bytes=0, max_memory="2MiB", max_sequences=5)
+    assert budget.max_sequences == budget.rows_that_fit["PagedCache"] == 5
+    with PagedCache(model, block_size=4, max_memory="2MiB", max_sequences=5) as cache:
+        assert cache.pool.states.ids.capacity == 5
+        if budget.paged_pool is not None:  # mamba2 has no attention layer: its blocks hold nothing
+            assert budget.paged_pool.num_blocks == cache.pool.num_blocks
+    text = format_plan(budget)
+    assert f"Conv / recurrent states: {format_bytes(plan.state_bytes)} per sequence" in text
+    assert "sets aside 5 slots of them (max_sequences)" in text
+
+
+def test_cli_plans_a_model_with_states(capsys, tmp_path):
+    tiny_config("qwen3_next").save_pretrained(tmp_path)
+    assert main(["--model", str(tmp_path / "config.json"), "--prompt-len", "12,9", "--new-tokens", "0",
+                 "--block-size", "4", "--dtype", "float32", "--max-memory", "64MiB", "--max-sequences", "7"]) == 0
+    text = capsys.readouterr().out
+    assert "Conv / recurrent states: 6 KiB per sequence" in text  # qwen3_next's tiny linear-attention layer
+    assert "Its 7 state slots (max_sequences) hold 7 of them." in text
 
 
 # tiny Gemma 3 (window 12; layers sliding, sliding, full) in float32, blocks of 4 tokens: a block of one layer is
@@ -400,11 +433,12 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.count("default") == 10  # one per option with a default (--json has none)
+    assert text.count("default") == 12  # one per option with a default (--json has none)
     for default in ("(default: 24GiB)", "(default: 32,", "(default: 512)", "(default: 256)", "(default: bfloat16)",
                     "(default: --dtype)",
                     "(default: 16)", "(default: what --max-memory minus the weights buys)",
-                    "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,"):
+                    "(default: longest prompt + new tokens)", "(default: HuggingFaceTB/SmolLM2-135M-Instruct,",
+                    "(default: measured from the config", "(default: 64, as PagedCache"):
         assert text.count(default) == 1, default
 
 
