@@ -11,6 +11,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from . import attention, dummy, hybrid, recurrent
 from .base import LayerKind, LayerSpec
+from .encoder_decoder import decoder_shape, is_encoder_decoder
 
 KINDS: dict[str, LayerKind] = {
     kind.name: kind for module in (attention, recurrent, hybrid, dummy) for kind in module.KINDS
@@ -20,13 +21,11 @@ KINDS: dict[str, LayerKind] = {
 def layer_kinds(config: PreTrainedConfig) -> list[LayerSpec]:
     """Each decoder layer's kind, the span of tokens it keeps and its number of states, from `config`.
 
-    Raises `NotImplementedError`, naming the model type, for encoder-decoder models and for layer types this
-    package does not store yet.
+    For an encoder-decoder model, its decoder's self-attention layers (`encoder_decoder`). Raises
+    `NotImplementedError`, naming the model type, for layer types this package does not store yet.
     """
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(
-            f"PagedCache supports decoder-only models; {config.model_type!r} is an encoder-decoder model"
-        )
+    if is_encoder_decoder(config):
+        return [attention.FULL_ATTENTION.spec({})] * decoder_shape(config).num_layers
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     unsupported = sorted(set(layer_types) - set(KINDS))
     if unsupported:

@@ -28,6 +28,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..kinds import KINDS, layer_kinds
+from ..kinds.encoder_decoder import decoder_shape, is_encoder_decoder
 from .kv_format import KVFormat
 
 _UNITS = {
@@ -175,6 +176,9 @@ class KVLayout:
         """Every layer's K/V shape and window as the config declares them (`NotImplementedError` for a
         model with layer kinds not supported, see `kinds.layer_kinds`)."""
         specs = layer_kinds(config)
+        if is_encoder_decoder(config):  # the decoder's self-attention layers, every one full attention
+            decoder = decoder_shape(config)
+            return cls(layers=(LayerShape(decoder.num_heads, decoder.head_dim, decoder.head_dim),) * decoder.num_layers)
         windows = tuple(spec.window for spec in specs)
         tokens = tuple(spec.kind.tokens for spec in specs)
         text = config.get_text_config(decoder=True)
