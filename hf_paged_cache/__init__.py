@@ -7,7 +7,7 @@ from .attention import (
     register_paged_attention,
     set_paged_attention,
 )
-from .cache import CacheStats, GroupStats, PagedCache
+from .cache import CacheStats, GroupStats, PagedCache, PagedCrossAttentionCache, PagedEncoderDecoderCache
 from .engine import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
@@ -29,6 +29,8 @@ __all__ = [
     "LayerGroup",
     "LayerShape",
     "PagedCache",
+    "PagedCrossAttentionCache",
+    "PagedEncoderDecoderCache",
     "PoolExhaustedError",
     "QueueFullError",
     "RequestCancelled",

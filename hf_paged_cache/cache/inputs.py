@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import EncoderDecoderCache
 
 from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
 
@@ -283,7 +284,19 @@ def _observer(names: list[str], args: tuple, kwargs: dict) -> tuple[InputObserve
     """
     bound = dict(zip(names, args)) | kwargs if args else kwargs
     target = bound.get("cache") if bound.get("cache") is not None else bound.get("past_key_values")
+    if isinstance(target, EncoderDecoderCache):  # generate wraps a decoder's cache with a cross-attention cache
+        target = target.self_attention_cache
     return (target if callable(getattr(target, "forward_ended", None)) else None), bound
+
+
+def _decoder_inputs(bound: dict) -> dict:
+    """An encoder-decoder model's forward arguments as the decoder's cache sees them: its decoder inputs under the
+    decoder-only names. No token ids: the keys and values of decoder tokens depend on the encoder's input too, so
+    the ids neither key prefix blocks nor tell repeated rows."""
+    inputs = bound.get("decoder_input_ids")
+    return {"input_ids": None, "attention_mask": bound.get("decoder_attention_mask"),
+            "position_ids": bound.get("decoder_position_ids"),
+            "inputs_embeds": inputs if inputs is not None else bound.get("decoder_inputs_embeds")}
 
 
 def _input_hook(names: list[str]):
@@ -299,6 +312,8 @@ def _input_hook(names: list[str]):
             # the model would still write into the cache while the caller re-feeds the whole sequence
             # (generate(use_cache=False) does), silently stacking duplicate positions
             raise ValueError("a PagedCache was passed with use_cache=False; pass use_cache=True or no cache")
+        if getattr(module.config, "is_encoder_decoder", False):
+            bound = _decoder_inputs(bound)
         input_ids = bound.get("input_ids")
         inputs = input_ids if input_ids is not None else bound.get("inputs_embeds")
         if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:

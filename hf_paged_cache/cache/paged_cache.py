@@ -10,10 +10,12 @@ from transformers import Cache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
 from ..kinds import LayerSpec, keeps_states, layer_kinds
+from ..kinds.encoder_decoder import is_encoder_decoder
 from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, dense_attention_kinds
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
+from .encoder_decoder import PagedEncoderDecoderCache
 from .forward_control import ForwardControl
 from .forward_lifecycle import ForwardLifecycle
 from .indexer_access import IndexerAccess
@@ -69,6 +71,20 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
     dropped gives them back at once.
     """
 
+    def __new__(cls, config_or_model: object = None, *args: Any, **kwargs: Any) -> Any:
+        """An encoder-decoder model's cache is a `PagedEncoderDecoderCache` (an `EncoderDecoderCache`, which such
+        models require), whose decoder self-attention cache is a `PagedCache` (`for_decoder`)."""
+        if cls is PagedCache and isinstance(config_or_model, PreTrainedModel) and is_encoder_decoder(config_or_model.config):
+            return PagedEncoderDecoderCache(cls.for_decoder(config_or_model, *args, **kwargs))
+        return super().__new__(cls)
+
+    @classmethod
+    def for_decoder(cls, model: PreTrainedModel, **kwargs: Any) -> PagedCache:
+        """The decoder self-attention cache of encoder-decoder `model` (`PagedEncoderDecoderCache` holds it)."""
+        cache = object.__new__(cls)
+        cache.__init__(model, **kwargs)
+        return cache
+
     def __init__(
         self,
         config_or_model: PreTrainedConfig | PreTrainedModel,
@@ -87,6 +103,11 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
             raise TypeError(
                 f"PagedCache needs a transformers model or config, got {type(config_or_model).__name__}"
             )
+        if model is None and is_encoder_decoder(config):
+            raise ValueError(
+                f"an encoder-decoder model's PagedCache ({config.model_type!r}) is built from the model "
+                "(PagedCache(model)): it holds the cross-attention keys and values too"
+            )
         specs = layer_kinds(config)  # raises NotImplementedError for unsupported models
         check_model(config, model, specs)
         windows = [spec.window for spec in specs]
@@ -96,7 +117,9 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[_layer_for(self, idx, spec) for idx, spec in enumerate(specs)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
-        self.batch = PagedBatch(self.pool, root=prefix_root(model) if model is not None else None)
+        # An encoder-decoder's decoder keys depend on the encoder's input too, which no prefix key covers.
+        keyed = model is not None and not is_encoder_decoder(config)
+        self.batch = PagedBatch(self.pool, root=prefix_root(model) if keyed else None)
         self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit, model)
         # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
         # rows[i] (`repeat_rows_after_forward`)

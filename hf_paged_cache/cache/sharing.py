@@ -61,7 +61,7 @@ class BlockSharing:
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
         self.lifecycle.drop_unfinished()
-        twin = type(self)(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
+        twin = type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
         with self.batch.lock:
             self.batch.copy_to(twin.batch)
             for mine, theirs in zip(twin.layers, self.layers):

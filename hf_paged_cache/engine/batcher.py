@@ -130,6 +130,11 @@ class ContinuousBatcher:
             raise ValueError(
                 f"speculative={speculative!r}: expected 'ngram', 'off', None, a draft model or a Speculator"
             )
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise NotImplementedError(
+                f"the continuous batcher runs decoder-only models, and {type(model).__name__} is an encoder-decoder "
+                "model: generate with cache=PagedCache(model) runs it"
+            )
         self.model = model
         if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
             try:

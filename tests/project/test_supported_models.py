@@ -1,8 +1,9 @@
 """The supported-architectures table of docs/layer-kinds.md is the tests' own: every model type the tests build
 (`TINY_CONFIGS`, `LAYER_KIND_CONFIGS`), its layer kinds, and what `PagedCache(model)` does with it.
 
-The exactness of each "exact" row is asserted by tests/cache/test_parity.py (`TINY_CONFIGS`) and
-tests/cache/test_layer_kinds.py (`LAYER_KIND_CONFIGS`). Rewrite the table after changing the configs or what is
+The exactness of each "exact" row is asserted by tests/cache/test_parity.py (`TINY_CONFIGS`),
+tests/cache/test_layer_kinds.py (`LAYER_KIND_CONFIGS`) and tests/cache/test_encoder_decoder.py
+(`ENCODER_DECODER_CONFIGS`). Rewrite the table after changing the configs or what is
 supported: ``HF_PAGED_CACHE_WRITE_DOCS=1 python -m pytest tests/project/test_supported_models.py``.
 """
 
@@ -10,6 +11,7 @@ import os
 
 import torch
 
+from encoder_decoder_models import ENCODER_DECODER_CONFIGS, encoder_inputs, tiny_seq2seq
 from layer_kind_models import LAYER_KIND_CONFIGS
 from repo_paths import DOCS
 from tiny_models import TINY_CONFIGS, tiny_model
@@ -50,6 +52,17 @@ def row(model_type: str) -> str:
     return f"| `{model_type}` | {type(model).__name__} | {kinds} | {verdict} | {paged} | {batcher} |"
 
 
+def encoder_decoder_row(model_type: str) -> str:
+    """An encoder-decoder model's row: its decoder's self-attention layers, what one generated token does."""
+    model = tiny_seq2seq(model_type)
+    with PagedCache(model) as cache:  # an EncoderDecoderCache: the decoder's blocks and the cross-attention's
+        model.generate(**encoder_inputs(model_type, [0]), cache=cache, max_new_tokens=1, do_sample=False)
+        verdict = "exact" if cache.cross_attention_cache.written else "no cross attention stored"
+    batcher = "refused (encoder-decoder)"
+    kinds = "full_attention (decoder), cross attention"
+    return f"| `{model_type}` | {type(model).__name__} | {kinds} | {verdict} | no (cross attention) | {batcher} |"
+
+
 def _reason(error: Exception) -> str:
     """The error's first clause."""
     return str(error).split(" (")[0].split(":")[0]
@@ -57,6 +70,7 @@ def _reason(error: Exception) -> str:
 
 def table() -> str:
     rows = [row(model_type) for model_type in sorted({*TINY_CONFIGS, *LAYER_KIND_CONFIGS})]
+    rows += [encoder_decoder_row(model_type) for model_type in sorted(ENCODER_DECODER_CONFIGS)]
     head = ["| model type | class | layer kinds | `PagedCache(model)` | `paged_sdpa` | `ContinuousBatcher` |",
             "| --- | --- | --- | --- | --- | --- |"]
     return "\n".join([*head, *rows])

@@ -1,0 +1,212 @@
+"""`PagedCrossAttentionCache`: an encoder-decoder model's cross-attention keys and values, once per request.
+
+The decoder's cross-attention layers attend to keys and values computed once from the encoder's output, at the
+first decoder forward (transformers' models then read them back each step: ``cache.layers[i].keys``). Beams
+and samples of one request all attend to the same ones: generate repeats each encoder row for them before that
+forward. So this cache keeps each *distinct* encoder row's keys and values once, in blocks of a pool of its own
+(`sources`: a request's blocks), and each row of the batch names the source it reads (`rows`). Reordering,
+selecting and repeating rows (beam search) changes only those names, never the stored keys and values; a source
+goes back to the pool when no row reads it any more.
+
+What attention reads is a dense ``[B, heads, S, dim]`` view per layer (`CrossLayer.keys`): a view of the pool's
+storage itself when the rows read one source each, in block order, from one run of blocks (no copy: greedy and
+sampled generation on a fresh pool), else a gather, kept while the rows name the same sources (so beam search's
+reorders, which stay within each request, gather nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import PoolExhaustedError
+from ..pool.kv_pool import KVPool
+from .layer_io import gather
+
+
+class CrossLayer(CacheLayerMixin):
+    """One decoder layer's cross-attention keys and values, as the model reads them (``keys``, ``values``)."""
+
+    is_sliding = False
+
+    def __init__(self, cache: PagedCrossAttentionCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # [B, heads, S, dim]
+        return self.cache.dense(self.layer_idx, 0)
+
+    @keys.setter
+    def keys(self, value: object) -> None:  # CacheLayerMixin's constructor sets them; they live in the pool
+        pass
+
+    @property
+    def values(self) -> torch.Tensor | None:  # [B, heads, S, dim]
+        return self.cache.dense(self.layer_idx, 1)
+
+    @values.setter
+    def values(self, value: object) -> None:
+        pass
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.cache.update(key_states, value_states, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.cache.encoder_length if self.layer_idx in self.cache.written else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.encoder_length, 0
+
+
+class PagedCrossAttentionCache(Cache):
+    """Cross-attention keys and values in blocks of `pool`, one copy per distinct encoder row (see the module
+    docstring). `pool` holds the decoder's cross-attention layers (`KVLayout` of their shapes)."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.sources: list[list[int]] = []  # per distinct encoder row: its blocks (held once)
+        self.rows: list[int] = []  # per row of the batch: the source it reads
+        self.encoder_length = 0  # S: every source's positions (the encoder's padded length)
+        self.written: set[int] = set()  # layers whose keys and values are stored
+        self._dense: dict[tuple[int, int], torch.Tensor] = {}  # (layer, keys 0 / values 1) -> what attention reads
+        super().__init__(layers=[CrossLayer(self, i) for i in range(pool.layout.num_layers)])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ the first decoder forward
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer_idx`'s keys and values ``[B, heads, S, dim]`` (its rows' distinct sources once) and
+        return them as given."""
+        keys, values = self.pool.layer(layer_idx, key_states, value_states)
+        if not self.rows:
+            self._add_sources(key_states)
+        elif (key_states.shape[0], key_states.shape[2]) != (self.batch_size, self.encoder_length):
+            raise ValueError(
+                f"cross-attention layer {layer_idx} got {key_states.shape[0]} rows of {key_states.shape[2]} encoder "
+                f"positions, but this cache holds {self.batch_size} rows of {self.encoder_length}: reset() it first"
+            )
+        first = [self.rows.index(source) for source in range(len(self.sources))]  # a row of each source
+        slots = self._slots(range(len(self.sources)), key_states.device)  # [sources * S]
+        heads = key_states.shape[1]
+        with self.pool.storage_lock.shared():
+            for storage, states in ((keys, key_states), (values, value_states)):
+                rows = states[first].transpose(0, 1).reshape(heads, len(first) * self.encoder_length, -1)  # [H, N, D]
+                storage.write(slots, rows)
+        self.written.add(layer_idx)
+        self._dense = {key: tensor for key, tensor in self._dense.items() if key[0] != layer_idx}
+        return key_states, value_states
+
+    def _add_sources(self, key_states: torch.Tensor) -> None:
+        """Give each distinct row of `key_states` ``[B, heads, S, dim]`` (generate repeats a request's encoder row
+        for its beams and samples) the blocks of one source, all or nothing."""
+        batch_size, length = key_states.shape[0], key_states.shape[2]
+        flat = key_states.reshape(batch_size, -1)  # [B, heads * S * dim]
+        probe = flat[:, :64]  # compared first: rows of different requests differ there already
+        sources: list[int] = []
+        distinct: list[int] = []  # a row of each source
+        for row in range(batch_size):
+            match = next((s for s, first in enumerate(distinct)
+                          if torch.equal(probe[row], probe[first]) and torch.equal(flat[row], flat[first])), None)
+            if match is None:
+                match = len(distinct)
+                distinct.append(row)
+            sources.append(match)
+        per_source = -(-length // self.pool.block_size)
+        blocks = self.pool.blocks.allocate(per_source * len(distinct))
+        if blocks is None:
+            raise PoolExhaustedError(per_source * len(distinct), self.pool.blocks.num_free, self.pool.blocks.capacity,
+                                     self.pool.block_size, "cross attention")
+        self.sources = [blocks[i * per_source : (i + 1) * per_source] for i in range(len(distinct))]
+        self.rows, self.encoder_length = sources, length
+
+    # ------------------------------------------------------------------ what attention reads
+
+    def dense(self, layer_idx: int, which: int) -> torch.Tensor | None:
+        """``[B, heads, S, dim]`` the rows' keys (`which` 0) or values (1) of layer `layer_idx`, None before any
+        forward stored them."""
+        if layer_idx not in self.written:
+            return None
+        tensor = self._dense.get((layer_idx, which))
+        if tensor is None:
+            storage = self.pool.stored(layer_idx)[which]
+            tensor = self._view(storage.plain) if storage.plain is not None else None
+            if tensor is None:
+                device = storage.plain.device if storage.plain is not None else None
+                tensor = gather(storage, self._slots(self.rows, device), self.batch_size)
+            self._dense[(layer_idx, which)] = tensor
+        return tensor
+
+    def _view(self, stored: torch.Tensor) -> torch.Tensor | None:
+        """The rows' ``[B, heads, S, dim]`` as a view of `stored` ``[heads, slots, dim]`` when row b reads source b
+        and the sources' blocks are one run in order, else None."""
+        size, length = self.pool.block_size, self.encoder_length
+        blocks = [block for source in self.sources for block in source]
+        if self.rows != list(range(len(self.sources))) or blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+            return None
+        per_source = len(self.sources[0]) * size
+        start = blocks[0] * size
+        heads, _, dim = stored.shape
+        run = stored[:, start : start + per_source * len(self.sources)]  # [H, B * S_pad, D]
+        return run.view(heads, len(self.sources), per_source, dim).transpose(0, 1)[:, :, :length]
+
+    def _slots(self, sources: Sequence[int], device: torch.device | None) -> torch.Tensor:
+        """``[len(sources) * S]`` the slots of each source's positions, source after source."""
+        size = self.pool.block_size
+        blocks = torch.tensor([self.sources[s] for s in sources], dtype=torch.long)  # [n, blocks per source]
+        slots = (blocks.unsqueeze(-1) * size + torch.arange(size)).flatten(1)[:, : self.encoder_length]  # [n, S]
+        return slots.flatten().to(device)
+
+    # ------------------------------------------------------------------ rows
+
+    def batch_select_indices(self, indices: torch.Tensor | Sequence[int]) -> None:
+        """Keep rows `indices` (repeats allowed, any order): only the names of their sources change."""
+        rows = torch.as_tensor(indices, dtype=torch.long).tolist()
+        self._keep([self.rows[r] for r in rows])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._keep([source for source in self.rows for _ in range(repeats)])
+
+    def _keep(self, rows: list[int]) -> None:
+        """Make `rows` (source per row) the rows; give back the sources no row reads any more."""
+        if rows != self.rows:
+            self._dense = {}
+        kept = sorted(set(rows))
+        for source, blocks in enumerate(self.sources):
+            if source not in kept:
+                self.pool.blocks.free(reversed(blocks))
+        self.sources = [self.sources[s] for s in kept]
+        self.rows = [kept.index(s) for s in rows]
+
+    def reset(self) -> None:
+        """Give every source back and forget the rows."""
+        self._keep([])
+        self.written = set()
+        self.encoder_length = 0
+
+    release = reset
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def __repr__(self) -> str:
+        return (f"PagedCrossAttentionCache(rows={self.batch_size}, sources={len(self.sources)}, "
+                f"encoder_length={self.encoder_length}, blocks={sum(map(len, self.sources))})")

@@ -1,0 +1,65 @@
+"""`PagedEncoderDecoderCache`: the cache of an encoder-decoder model (T5, BART, mBART, Marian, Whisper) in pools.
+
+transformers' encoder-decoder models take an `EncoderDecoderCache`: a self-attention cache for the decoder's
+tokens and a cross-attention cache for the keys and values computed from the encoder's output. This one is an
+`EncoderDecoderCache` whose decoder self-attention cache is a `PagedCache` (keys and values of the decoder's
+tokens in blocks, as for a decoder-only model) and whose cross-attention cache is a `PagedCrossAttentionCache`
+(one copy per request, in blocks of a pool of its own, read by every beam and sample of the request).
+``PagedCache(model)`` builds one for an encoder-decoder model.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, EncoderDecoderCache
+
+from ..pool.kv_pool import KVPool
+from ..pool.memory import KVLayout
+from .cross_attention import PagedCrossAttentionCache
+from .stats import CacheStats
+
+
+class PagedEncoderDecoderCache(EncoderDecoderCache):
+    """An encoder-decoder model's cache: the decoder's self-attention in a `PagedCache`, the cross-attention in a
+    `PagedCrossAttentionCache` (see the module docstring). ``PagedCache(model)`` builds it, with `PagedCache`'s
+    arguments for the self-attention pool; the cross-attention pool has the same block size and dtype and grows as
+    needed."""
+
+    def __init__(self, decoder: Cache):
+        """Around `decoder`, the decoder self-attention `PagedCache` of an encoder-decoder model (built by
+        `PagedCache.for_decoder`; typed `Cache` here, as `paged_cache` imports this module)."""
+        # cross-attention heads and head size are the decoder self-attention's (T5, BART, Marian, Whisper); a model
+        # whose differ is refused by the pool at the first forward, naming the shapes
+        cross_layout = KVLayout(layers=decoder.pool.layout.layers)
+        cross_pool = KVPool(cross_layout, num_blocks=2, block_size=decoder.pool.block_size, dtype=decoder.pool.dtype,
+                            max_blocks=None)
+        super().__init__(decoder, PagedCrossAttentionCache(cross_pool))
+
+    @property
+    def pool(self) -> KVPool:
+        """The decoder self-attention's pool (the cross-attention's is ``cross_attention_cache.pool``)."""
+        return self.self_attention_cache.pool
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.self_attention_cache.batch_select_indices(indices)
+        self.cross_attention_cache.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.self_attention_cache.batch_repeat_interleave(repeats)
+        self.cross_attention_cache.batch_repeat_interleave(repeats)
+
+    def stats(self) -> CacheStats:
+        """The decoder self-attention cache's `CacheStats` (the cross-attention's blocks: ``cross_attention_cache``)."""
+        return self.self_attention_cache.stats()
+
+    def release(self) -> None:
+        """Give every block of both pools back."""
+        self.self_attention_cache.release()
+        self.cross_attention_cache.release()
+        self.is_updated = dict.fromkeys(self.is_updated, False)
+
+    def __enter__(self) -> PagedEncoderDecoderCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,107 @@
+"""Encoder-decoder models (T5, BART, Marian, Whisper) through ``generate(cache=PagedCache(model))``: the decoder's
+self-attention keys and values in blocks, the cross-attention ones once per request in a pool of their own, read
+by every beam and sample of it; exact against the model's default `EncoderDecoderCache`."""
+
+import pytest
+import torch
+from encoder_decoder_models import ENCODER_DECODER_CONFIGS, encoder_inputs, tiny_seq2seq
+from transformers import EncoderDecoderCache
+
+from hf_paged_cache import ContinuousBatcher, PagedCache, PagedEncoderDecoderCache
+
+MODEL_TYPES = list(ENCODER_DECODER_CONFIGS)
+PADS = [0, 3, 6]
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beams": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "samples": dict(do_sample=True, num_return_sequences=2, top_k=20),
+}
+
+
+def generate(model, inputs, cache=None, seed=0, **settings):
+    torch.manual_seed(seed)
+    extra = {} if cache is None else {"cache": cache}
+    return model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
+                          output_logits=True, **settings, **extra)
+
+
+def assert_same(reference, paged):
+    torch.testing.assert_close(paged.sequences, reference.sequences, rtol=0, atol=0)
+    for step, (ours, theirs) in enumerate(zip(paged.logits, reference.logits, strict=True)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=f"logits differ at step {step}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tokens_and_logits_equal_the_default_cache(model_type, mode):
+    model = tiny_seq2seq(model_type)
+    inputs = encoder_inputs(model_type, PADS)
+    reference = generate(model, inputs, **MODES[mode])
+    with PagedCache(model) as cache:
+        assert isinstance(cache, PagedEncoderDecoderCache) and isinstance(cache, EncoderDecoderCache)
+        assert_same(reference, generate(model, inputs, cache, **MODES[mode]))
+    assert cache.pool.blocks.num_used == 0 and cache.cross_attention_cache.pool.blocks.num_used == 0
+
+
+def test_past_key_values_is_the_same_cache():
+    model = tiny_seq2seq("bart")
+    inputs = encoder_inputs("bart", PADS)
+    with PagedCache(model) as cache:
+        torch.manual_seed(0)
+        paged = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
+                               return_dict_in_generate=True, output_logits=True)
+        assert cache.self_attention_cache.get_seq_length() > 0
+    assert_same(_greedy(model, inputs, 8), paged)
+
+
+def _greedy(model, inputs, new_tokens):
+    return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                          output_logits=True)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "whisper"])
+def test_beams_and_samples_read_one_copy_of_each_requests_cross_attention(model_type):
+    model = tiny_seq2seq(model_type)
+    inputs = encoder_inputs(model_type, PADS)
+    encoder_length = 16 if model_type == "whisper" else 10
+    per_request = -(-encoder_length // 16)  # blocks of 16 positions
+    for settings in (MODES["beams"], MODES["samples"]):
+        with PagedCache(model) as cache:
+            generate(model, inputs, cache, **settings)
+            cross = cache.cross_attention_cache
+            assert cross.batch_size >= 6 and len(cross.sources) == 3  # 3 requests, each with its beams or samples
+            assert cross.pool.blocks.num_used == 3 * per_request  # one copy a request, whatever its rows
+
+
+def test_greedy_rows_read_the_pool_without_a_copy():
+    model = tiny_seq2seq("whisper")
+    inputs = encoder_inputs("whisper", PADS)
+    with PagedCache(model) as cache:
+        generate(model, inputs, cache, **MODES["greedy"])
+        cross = cache.cross_attention_cache
+        keys = cross.layers[0].keys  # [B, heads, S, dim]
+        stored = cross.pool.stored(0)[0].plain  # [heads, slots, dim]
+        assert keys.shape == (3, 2, 16, 16)  # 2 decoder heads of 16 over 16 encoder positions
+        assert keys.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr()
+
+
+def test_rows_that_leave_give_their_requests_blocks_back():
+    model = tiny_seq2seq("t5")
+    inputs = encoder_inputs("t5", PADS)
+    with PagedCache(model) as cache:
+        generate(model, inputs, cache, **MODES["greedy"])
+        cross = cache.cross_attention_cache
+        cache.batch_select_indices(torch.tensor([2, 2]))  # request 2 twice: its blocks only
+        assert (len(cross.sources), cross.pool.blocks.num_used, cross.batch_size) == (1, 1, 2)
+        assert cache.self_attention_cache.batch_size == 2
+    assert cross.pool.blocks.num_used == 0 and cache.pool.blocks.num_used == 0
+
+
+def test_a_config_built_cache_of_an_encoder_decoder_model_is_refused():
+    with pytest.raises(ValueError, match="an encoder-decoder model's PagedCache \\('bart'\\) is built from the model"):
+        PagedCache(tiny_seq2seq("bart").config)
+
+
+def test_the_batcher_refuses_an_encoder_decoder_model_by_name():
+    with pytest.raises(NotImplementedError, match="BartForConditionalGeneration is an encoder-decoder model"):
+        ContinuousBatcher(tiny_seq2seq("bart"))
