@@ -45,13 +45,13 @@ def ask(model, pool: KVPool, prompt: torch.Tensor, new_tokens: int, reuse: bool)
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", type=Path, help="a saved model with conv / recurrent states")
+    parser.add_argument("model", type=Path, help="a saved model with conv / recurrent states (e.g. from random_model.py)")
     parser.add_argument("--document", type=int, default=1024, help="turn 1's prompt tokens (default: 1024)")
     parser.add_argument("--answer", type=int, default=32, help="turn 1's generated tokens (default: 32)")
     parser.add_argument("--question", type=int, default=24, help="turn 2's new tokens (default: 24)")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="turn 2's generated tokens (default: 4)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each contender (default: 5)")
-    parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
     args = parser.parse_args(argv)
     if args.document % 16:
         parser.error("--document must be a multiple of 16 (its prompt then ends at a block boundary)")
