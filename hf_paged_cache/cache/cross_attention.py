@@ -8,10 +8,11 @@ forward. So this cache keeps each *distinct* encoder row's keys and values once,
 selecting and repeating rows (beam search) changes only those names, never the stored keys and values; a source
 goes back to the pool when no row reads it any more.
 
-What attention reads is a dense ``[B, heads, S, dim]`` view per layer (`CrossLayer.keys`): a view of the pool's
+What attention reads is a dense ``[B, heads, S, dim]`` tensor per layer (`CrossLayer.keys`): a view of the pool's
 storage itself when the rows read one source each, in block order, from one run of blocks (no copy: greedy and
-sampled generation on a fresh pool), else a gather, kept while the rows name the same sources (so beam search's
-reorders, which stay within each request, gather nothing).
+sampled generation on a fresh pool), else a gather made for that read and dropped after it (rows that share a
+source: beams, samples), so that the only lasting copy is the pool's, one per request. (`DynamicCache` keeps a
+copy per beam and copies them all again at every reorder; this gathers them once per step and layer.)
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class PagedCrossAttentionCache(Cache):
         self.rows: list[int] = []  # per row of the batch: the source it reads
         self.encoder_length = 0  # S: every source's positions (the encoder's padded length)
         self.written: set[int] = set()  # layers whose keys and values are stored
-        self._dense: dict[tuple[int, int], torch.Tensor] = {}  # (layer, keys 0 / values 1) -> what attention reads
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (layer, keys 0 / values 1) -> a view of the pool
         super().__init__(layers=[CrossLayer(self, i) for i in range(pool.layout.num_layers)])
 
     @property
@@ -109,7 +110,7 @@ class PagedCrossAttentionCache(Cache):
                 rows = states[first].transpose(0, 1).reshape(heads, len(first) * self.encoder_length, -1)  # [H, N, D]
                 storage.write(slots, rows)
         self.written.add(layer_idx)
-        self._dense = {key: tensor for key, tensor in self._dense.items() if key[0] != layer_idx}
+        self._views = {key: tensor for key, tensor in self._views.items() if key[0] != layer_idx}
         return key_states, value_states
 
     def _add_sources(self, key_states: torch.Tensor) -> None:
@@ -142,15 +143,16 @@ class PagedCrossAttentionCache(Cache):
         forward stored them."""
         if layer_idx not in self.written:
             return None
-        tensor = self._dense.get((layer_idx, which))
-        if tensor is None:
-            storage = self.pool.stored(layer_idx)[which]
-            tensor = self._view(storage.plain) if storage.plain is not None else None
-            if tensor is None:
-                device = storage.plain.device if storage.plain is not None else None
-                tensor = gather(storage, self._slots(self.rows, device), self.batch_size)
-            self._dense[(layer_idx, which)] = tensor
-        return tensor
+        tensor = self._views.get((layer_idx, which))
+        if tensor is not None:
+            return tensor
+        storage = self.pool.stored(layer_idx)[which]
+        view = self._view(storage.plain) if storage.plain is not None else None
+        if view is not None:
+            self._views[(layer_idx, which)] = view  # a view: kept, it costs nothing
+            return view
+        device = storage.plain.device if storage.plain is not None else None
+        return gather(storage, self._slots(self.rows, device), self.batch_size)  # this read's own copy
 
     def _view(self, stored: torch.Tensor) -> torch.Tensor | None:
         """The rows' ``[B, heads, S, dim]`` as a view of `stored` ``[heads, slots, dim]`` when row b reads source b
@@ -188,7 +190,7 @@ class PagedCrossAttentionCache(Cache):
     def _keep(self, rows: list[int]) -> None:
         """Make `rows` (source per row) the rows; give back the sources no row reads any more."""
         if rows != self.rows:
-            self._dense = {}
+            self._views = {}
         kept = sorted(set(rows))
         for source, blocks in enumerate(self.sources):
             if source not in kept:
@@ -203,6 +205,11 @@ class PagedCrossAttentionCache(Cache):
         self.encoder_length = 0
 
     release = reset
+
+    def nbytes(self) -> int:
+        """Bytes this cache holds: its sources' blocks (what attention reads is a view of them, or a copy made
+        for one read)."""
+        return sum(map(len, self.sources)) * self.pool.bytes_per_block
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

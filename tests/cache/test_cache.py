@@ -183,7 +183,6 @@ def test_not_a_model_or_config():
 @pytest.mark.parametrize(
     "model_type, message",
     [
-        ("t5", "decoder-only models; 't5' is an encoder-decoder model"),
         ("deepseek_v4", "'deepseek_v4' has layers of type \\['compressed_sparse_attention', "  # its own layers
                         "'heavily_compressed_attention'\\]"),
         # states and indexer keys are kept per forward, which only the model's hooks delimit

@@ -71,6 +71,8 @@ def test_beams_and_samples_read_one_copy_of_each_requests_cross_attention(model_
             cross = cache.cross_attention_cache
             assert cross.batch_size >= 6 and len(cross.sources) == 3  # 3 requests, each with its beams or samples
             assert cross.pool.blocks.num_used == 3 * per_request  # one copy a request, whatever its rows
+            keys = cross.layers[0].keys  # [B, heads, S, dim], gathered for this read: no copy is kept
+            assert keys.shape[0] == cross.batch_size and cross.layers[0].keys is not keys
 
 
 def test_greedy_rows_read_the_pool_without_a_copy():
@@ -83,6 +85,7 @@ def test_greedy_rows_read_the_pool_without_a_copy():
         stored = cross.pool.stored(0)[0].plain  # [heads, slots, dim]
         assert keys.shape == (3, 2, 16, 16)  # 2 decoder heads of 16 over 16 encoder positions
         assert keys.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr()
+        assert cross.nbytes() == cross.pool.blocks.num_used * cross.pool.bytes_per_block  # no copy held
 
 
 def test_rows_that_leave_give_their_requests_blocks_back():
