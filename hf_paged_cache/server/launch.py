@@ -302,8 +302,14 @@ def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | Non
     name = name or options.model
     if name in OFFLINE_MODELS:
         return load_model_and_tokenizer(OFFLINE_MODELS[name], device=options.device, dtype=dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    config = AutoConfig.from_pretrained(name, trust_remote_code=options.trust_remote_code)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"the server runs decoder-only models, and {name} ({config.model_type}) is an encoder-decoder model: "
+            "serving it is not built yet (generate with cache=PagedCache(model) runs it)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=options.trust_remote_code)
     return model.to(options.device).eval(), tokenizer

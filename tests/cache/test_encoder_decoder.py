@@ -108,3 +108,4 @@ def test_a_config_built_cache_of_an_encoder_decoder_model_is_refused():
 def test_the_batcher_refuses_an_encoder_decoder_model_by_name():
     with pytest.raises(NotImplementedError, match="BartForConditionalGeneration is an encoder-decoder model"):
         ContinuousBatcher(tiny_seq2seq("bart"))
+
