@@ -8,11 +8,12 @@ forward. So this cache keeps each *distinct* encoder row's keys and values once,
 selecting and repeating rows (beam search) changes only those names, never the stored keys and values; a source
 goes back to the pool when no row reads it any more.
 
-What attention reads is a dense ``[B, heads, S, dim]`` tensor per layer (`CrossLayer.keys`): a view of the pool's
-storage itself when the rows read one source each, in block order, from one run of blocks (no copy: greedy and
-sampled generation on a fresh pool), else a gather made for that read and dropped after it (rows that share a
-source: beams, samples), so that the only lasting copy is the pool's, one per request. (`DynamicCache` keeps a
-copy per beam and copies them all again at every reorder; this gathers them once per step and layer.)
+What attention reads is a dense ``[B, heads, S, dim]`` tensor per layer (`CrossLayer.keys`). When the sources'
+blocks are one run in order (a fresh pool), the sources are a view of the pool's storage: rows that read one
+source each read that view (no copy: greedy and sampled generation), and rows that share sources (beams,
+samples) read a copy selected from it for that read and dropped after it, so that the only lasting copy is the
+pool's, one per request. (`DynamicCache` keeps a copy per beam and copies them all again at every reorder: the
+same one selection a step.) Blocks out of order are gathered for each read.
 """
 
 from __future__ import annotations
@@ -143,28 +144,30 @@ class PagedCrossAttentionCache(Cache):
         forward stored them."""
         if layer_idx not in self.written:
             return None
-        tensor = self._views.get((layer_idx, which))
-        if tensor is not None:
-            return tensor
-        storage = self.pool.stored(layer_idx)[which]
-        view = self._view(storage.plain) if storage.plain is not None else None
-        if view is not None:
-            self._views[(layer_idx, which)] = view  # a view: kept, it costs nothing
-            return view
-        device = storage.plain.device if storage.plain is not None else None
-        return gather(storage, self._slots(self.rows, device), self.batch_size)  # this read's own copy
+        sources = self._views.get((layer_idx, which))
+        if sources is None:
+            storage = self.pool.stored(layer_idx)[which]
+            sources = self._view(storage.plain) if storage.plain is not None else None
+            if sources is None:  # blocks out of order, or a scaled format: this read's own copy
+                device = storage.plain.device if storage.plain is not None else None
+                return gather(storage, self._slots(self.rows, device), self.batch_size)
+            self._views[(layer_idx, which)] = sources  # a view: kept, it costs nothing
+        if self.rows == list(range(len(self.sources))):
+            return sources
+        rows = torch.tensor(self.rows, device=sources.device)
+        return sources.index_select(0, rows)  # [B, heads, S, dim]: this read's own copy (beams, samples)
 
     def _view(self, stored: torch.Tensor) -> torch.Tensor | None:
-        """The rows' ``[B, heads, S, dim]`` as a view of `stored` ``[heads, slots, dim]`` when row b reads source b
-        and the sources' blocks are one run in order, else None."""
+        """The sources' ``[sources, heads, S, dim]`` as a view of `stored` ``[heads, slots, dim]`` when their
+        blocks are one run in order, else None."""
         size, length = self.pool.block_size, self.encoder_length
         blocks = [block for source in self.sources for block in source]
-        if self.rows != list(range(len(self.sources))) or blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+        if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
             return None
         per_source = len(self.sources[0]) * size
         start = blocks[0] * size
         heads, _, dim = stored.shape
-        run = stored[:, start : start + per_source * len(self.sources)]  # [H, B * S_pad, D]
+        run = stored[:, start : start + per_source * len(self.sources)]  # [H, sources * S_pad, D]
         return run.view(heads, len(self.sources), per_source, dim).transpose(0, 1)[:, :, :length]
 
     def _slots(self, sources: Sequence[int], device: torch.device | None) -> torch.Tensor:

@@ -109,3 +109,18 @@ def test_the_batcher_refuses_an_encoder_decoder_model_by_name():
     with pytest.raises(NotImplementedError, match="BartForConditionalGeneration is an encoder-decoder model"):
         ContinuousBatcher(tiny_seq2seq("bart"))
 
+
+
+def test_blocks_reused_out_of_order_are_gathered_exactly():
+    """A cache reset and used again takes its blocks back from the free list, last freed first: no longer one run,
+    so each read gathers them; the answers stay the default cache's."""
+    model = tiny_seq2seq("t5")
+    first, second = encoder_inputs("t5", PADS, length=40), encoder_inputs("t5", PADS, length=40, seed=1)
+    with PagedCache(model) as cache:
+        generate(model, first, cache, **MODES["greedy"])
+        cache.reset()
+        assert_same(generate(model, second, **MODES["greedy"]), generate(model, second, cache, **MODES["greedy"]))
+        cross = cache.cross_attention_cache
+        assert [len(blocks) for blocks in cross.sources] == [3, 3, 3]  # 40 encoder positions: 3 blocks a request
+        stored = cross.pool.stored(0)[0].plain
+        assert cross.layers[0].keys.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr()
