@@ -96,6 +96,16 @@ def repeated_rows(
     return sources if len(first) < len(keys) else None
 
 
+def carries_more_than_tokens(bound: dict) -> bool:
+    """Whether a forward's arguments include more than its token rows and the arguments every forward shares:
+    images, audio, labels, a request for hidden states. Then its keys and values may depend on more than the
+    token ids (an image's patches sit behind placeholder tokens that every image shares)."""
+    return any(
+        name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
+        for name, value in bound.items()
+    )
+
+
 def distinct_rows(
     target: InputObserver, config: object, bound: dict
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -107,10 +117,7 @@ def distinct_rows(
         return None
     if not target.computes_repeats_once():  # first: most forwards continue a cache
         return None
-    if any(
-        name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
-        for name, value in bound.items()
-    ):
+    if carries_more_than_tokens(bound):
         return None  # other arguments may hold rows (labels, images) or ask for per-row outputs (hidden states)
     if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
         return None
@@ -326,8 +333,10 @@ def _input_hook(names: list[str]):
             input_ids = bound["input_ids"]
             target.repeat_rows_after_forward(rows)
         attention = getattr(module.config.get_text_config(decoder=True), "_attn_implementation", None)
+        # the ids key prefix blocks and tell repeated rows only when the tokens are all a row's keys depend on
+        keyed_ids = None if carries_more_than_tokens(bound) else input_ids
         target.observe_inputs(
-            input_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"), attention,
+            keyed_ids, bound.get("attention_mask"), inputs.shape[1], bound.get("position_ids"), attention,
             hooked=True,
         )
         if distinct is not None:
