@@ -201,6 +201,22 @@ class PagedCrossAttentionCache(Cache):
         self.sources = [self.sources[s] for s in kept]
         self.rows = [kept.index(s) for s in rows]
 
+    def fork(self) -> PagedCrossAttentionCache:
+        """A new cache on the same pool with the same rows, sharing every source's blocks (no copy)."""
+        twin = PagedCrossAttentionCache(self.pool)
+        for blocks in self.sources:
+            self.pool.blocks.incref(blocks)
+        twin.sources = [list(blocks) for blocks in self.sources]
+        twin.rows, twin.encoder_length, twin.written = list(self.rows), self.encoder_length, set(self.written)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> PagedCrossAttentionCache:
+        """`copy.deepcopy(cache)` forks: the keys and values stay in the pool, shared."""
+        return self.fork()
+
+    def __copy__(self) -> PagedCrossAttentionCache:
+        return self.fork()
+
     def reset(self) -> None:
         """Give every source back and forget the rows."""
         self._keep([])

@@ -25,15 +25,17 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
     arguments for the self-attention pool; the cross-attention pool has the same block size and dtype and grows as
     needed."""
 
-    def __init__(self, decoder: Cache):
+    def __init__(self, decoder: Cache, cross: PagedCrossAttentionCache | None = None):
         """Around `decoder`, the decoder self-attention `PagedCache` of an encoder-decoder model (built by
-        `PagedCache.for_decoder`; typed `Cache` here, as `paged_cache` imports this module)."""
-        # cross-attention heads and head size are the decoder self-attention's (T5, BART, Marian, Whisper); a model
-        # whose differ is refused by the pool at the first forward, naming the shapes
-        cross_layout = KVLayout(layers=decoder.pool.layout.layers)
-        cross_pool = KVPool(cross_layout, num_blocks=2, block_size=decoder.pool.block_size, dtype=decoder.pool.dtype,
-                            max_blocks=None)
-        super().__init__(decoder, PagedCrossAttentionCache(cross_pool))
+        `PagedCache.for_decoder`; typed `Cache` here, as `paged_cache` imports this module), and `cross`, its
+        cross-attention cache (default: an empty one on a new pool)."""
+        if cross is None:
+            # cross-attention heads and head size are the decoder self-attention's (T5, BART, Marian, Whisper); a
+            # model whose differ is refused by the pool at the first forward, naming the shapes
+            cross_pool = KVPool(KVLayout(layers=decoder.pool.layout.layers), num_blocks=2,
+                                block_size=decoder.pool.block_size, dtype=decoder.pool.dtype, max_blocks=None)
+            cross = PagedCrossAttentionCache(cross_pool)
+        super().__init__(decoder, cross)
 
     @property
     def pool(self) -> KVPool:
@@ -51,6 +53,19 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
     def stats(self) -> CacheStats:
         """The decoder self-attention cache's `CacheStats` (the cross-attention's blocks: ``cross_attention_cache``)."""
         return self.self_attention_cache.stats()
+
+    def fork(self) -> PagedEncoderDecoderCache:
+        """A new cache on the same pools with the same rows, sharing every block of both (copy-on-write)."""
+        twin = PagedEncoderDecoderCache(self.self_attention_cache.fork(), self.cross_attention_cache.fork())
+        twin.is_updated = dict(self.is_updated)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> PagedEncoderDecoderCache:
+        """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pools."""
+        return self.fork()
+
+    def __copy__(self) -> PagedEncoderDecoderCache:
+        return self.fork()
 
     def release(self) -> None:
         """Give every block of both pools back."""

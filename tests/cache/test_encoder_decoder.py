@@ -2,10 +2,12 @@
 self-attention keys and values in blocks, the cross-attention ones once per request in a pool of their own, read
 by every beam and sample of it; exact against the model's default `EncoderDecoderCache`."""
 
+import copy
+
 import pytest
 import torch
 from encoder_decoder_models import ENCODER_DECODER_CONFIGS, encoder_inputs, tiny_seq2seq
-from transformers import EncoderDecoderCache
+from transformers import DynamicCache, EncoderDecoderCache
 
 from hf_paged_cache import ContinuousBatcher, PagedCache, PagedEncoderDecoderCache
 
@@ -124,3 +126,29 @@ def test_blocks_reused_out_of_order_are_gathered_exactly():
         assert [len(blocks) for blocks in cross.sources] == [3, 3, 3]  # 40 encoder positions: 3 blocks a request
         stored = cross.pool.stored(0)[0].plain
         assert cross.layers[0].keys.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr()
+
+
+def test_a_deepcopy_forks_both_caches_and_continues_exactly():
+    """A prefilled cache copied (``copy.deepcopy``, as one reuses a prefilled cache) shares both pools' blocks; each
+    copy then continues as the model's own cache continues."""
+    model = tiny_seq2seq("bart")
+    inputs = encoder_inputs("bart", PADS)
+    start = torch.full((3, 1), model.config.decoder_start_token_id)
+    reference = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    with torch.no_grad(), PagedCache(model) as cache:
+        encoded = model.get_encoder()(**inputs)
+        for target in (reference, cache):
+            model(encoder_outputs=encoded, attention_mask=inputs["attention_mask"], decoder_input_ids=start,
+                  cache=target, use_cache=True)
+        twin = copy.deepcopy(cache)
+        cross = cache.cross_attention_cache
+        assert twin.cross_attention_cache.pool is cross.pool and cross.pool.blocks.num_used == 3  # shared, not copied
+        follow = torch.tensor([[7], [8], [9]])
+        expected = model(encoder_outputs=encoded, attention_mask=inputs["attention_mask"], decoder_input_ids=follow,
+                         cache=reference, use_cache=True).logits
+        for target in (twin, cache):
+            logits = model(encoder_outputs=encoded, attention_mask=inputs["attention_mask"], decoder_input_ids=follow,
+                           cache=target, use_cache=True).logits
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        twin.release()
+        assert cross.pool.blocks.num_used == 3  # the original still holds its sources
