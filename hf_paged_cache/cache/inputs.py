@@ -26,7 +26,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -96,12 +96,21 @@ def repeated_rows(
     return sources if len(first) < len(keys) else None
 
 
+OUTPUT_ARGUMENTS = frozenset({"output_hidden_states", "output_attentions", "output_router_logits", "labels"})
+"""Arguments that ask a forward for more outputs (or a loss) and change no key or value."""
+
+
 def carries_more_than_tokens(bound: dict) -> bool:
-    """Whether a forward's arguments include more than its token rows and the arguments every forward shares:
-    images, audio, labels, a request for hidden states. Then its keys and values may depend on more than the
-    token ids (an image's patches sit behind placeholder tokens that every image shares)."""
+    """Whether a forward gives its rows inputs besides their token ids (images, audio, an encoder's output): then
+    their keys and values depend on more than the ids (an image's patches sit behind placeholder tokens that every
+    image shares). Arguments that only ask for outputs (`OUTPUT_ARGUMENTS`) do not count."""
+    return _given_besides(bound, ROW_ARGUMENTS, SHARED_ARGUMENTS, OUTPUT_ARGUMENTS)
+
+
+def _given_besides(bound: dict, *known: Collection[str]) -> bool:
+    """Whether `bound` gives an argument (not None or False) that none of `known` names."""
     return any(
-        name not in ROW_ARGUMENTS and name not in SHARED_ARGUMENTS and value is not None and value is not False
+        all(name not in names for names in known) and value is not None and value is not False
         for name, value in bound.items()
     )
 
@@ -117,7 +126,7 @@ def distinct_rows(
         return None
     if not target.computes_repeats_once():  # first: most forwards continue a cache
         return None
-    if carries_more_than_tokens(bound):
+    if _given_besides(bound, ROW_ARGUMENTS, SHARED_ARGUMENTS):
         return None  # other arguments may hold rows (labels, images) or ask for per-row outputs (hidden states)
     if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
         return None
