@@ -10,11 +10,12 @@ from transformers import Cache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
 from ..kinds import LayerSpec, keeps_states, layer_kinds
-from ..kinds.encoder_decoder import is_encoder_decoder
+from ..kinds.encoder_decoder import cross_attention_share, is_encoder_decoder
 from ..pool.kv_pool import KVPool
-from ..pool.memory import KVLayout, dense_attention_kinds
+from ..pool.memory import KVLayout, blocks_for_budget, dense_attention_kinds, parse_memory
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
+from .cross_attention import PagedCrossAttentionCache
 from .encoder_decoder import PagedEncoderDecoderCache
 from .forward_control import ForwardControl
 from .forward_lifecycle import ForwardLifecycle
@@ -75,7 +76,7 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         """An encoder-decoder model's cache is a `PagedEncoderDecoderCache` (an `EncoderDecoderCache`, which such
         models require), whose decoder self-attention cache is a `PagedCache` (`for_decoder`)."""
         if cls is PagedCache and isinstance(config_or_model, PreTrainedModel) and is_encoder_decoder(config_or_model.config):
-            return PagedEncoderDecoderCache(cls.for_decoder(config_or_model, *args, **kwargs))
+            return _encoder_decoder_cache(config_or_model, *args, **kwargs)
         return super().__new__(cls)
 
     @classmethod
@@ -334,6 +335,21 @@ def _layer_for(cache: PagedCache, layer_idx: int, spec: LayerSpec) -> CacheLayer
     if kind.state:
         return PagedStateLayer(cache, layer_idx, spec.number_of_states)
     return PagedDummyLayer(layer_idx)
+
+
+def _encoder_decoder_cache(model: PreTrainedModel, *args: Any, max_memory: int | str | None = None,
+                           **kwargs: Any) -> PagedEncoderDecoderCache:
+    """An encoder-decoder model's cache. `max_memory` is split between the decoder's pool and the cross-attention's
+    (`cross_attention_share`), the latter then fixed; without it the cross-attention pool grows as needed."""
+    if max_memory is None:
+        return PagedEncoderDecoderCache(PagedCache.for_decoder(model, *args, **kwargs))
+    budget = parse_memory(max_memory)
+    cross_budget = int(budget * cross_attention_share(model.config))
+    decoder = PagedCache.for_decoder(model, *args, max_memory=budget - cross_budget, **kwargs)
+    layout, block_size = decoder.pool.layout, decoder.pool.block_size
+    cross_blocks = blocks_for_budget(cross_budget, layout, block_size, decoder.pool.dtype)  # kept as the model computes them
+    cross_pool = KVPool(layout, num_blocks=cross_blocks, block_size=block_size, dtype=decoder.pool.dtype)
+    return PagedEncoderDecoderCache(decoder, PagedCrossAttentionCache(cross_pool))
 
 
 def _release_all(groups: list[BlockTables]) -> None:

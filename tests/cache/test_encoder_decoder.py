@@ -9,7 +9,7 @@ import torch
 from encoder_decoder_models import ENCODER_DECODER_CONFIGS, encoder_inputs, tiny_seq2seq
 from transformers import DynamicCache, EncoderDecoderCache
 
-from hf_paged_cache import ContinuousBatcher, PagedCache, PagedEncoderDecoderCache
+from hf_paged_cache import ContinuousBatcher, PagedCache, PagedEncoderDecoderCache, PoolExhaustedError
 
 MODEL_TYPES = list(ENCODER_DECODER_CONFIGS)
 PADS = [0, 3, 6]
@@ -152,3 +152,21 @@ def test_a_deepcopy_forks_both_caches_and_continues_exactly():
             torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         twin.release()
         assert cross.pool.blocks.num_used == 3  # the original still holds its sources
+
+
+def test_a_budget_holds_both_pools_and_exhaustion_changes_nothing():
+    """``max_memory`` is split between the decoder's pool and the cross-attention's (Whisper: 16 encoder positions
+    against 64 decoder ones, a fifth for the cross-attention); a batch whose cross-attention does not fit raises
+    `PoolExhaustedError` naming it, holding nothing, and a smaller one then runs exactly."""
+    model = tiny_seq2seq("whisper")
+    per_block = 3 * 2 * 16 * 2 * 4 * 16  # 3 layers x 2 heads x 16 dims x (K + V) x 4 bytes x 16 positions
+    with PagedCache(model, max_memory=20 * per_block) as cache:
+        cross = cache.cross_attention_cache
+        assert cross.pool.blocks.capacity == 3 and cache.pool.blocks.capacity == 15  # 4 + 16 blocks, null included
+        assert (cache.pool.storage_bytes() + cross.pool.storage_bytes()) <= 20 * per_block
+        with pytest.raises(PoolExhaustedError, match="cross attention"):
+            generate(model, encoder_inputs("whisper", [0] * 4), cache, **MODES["greedy"])
+        assert cross.pool.blocks.num_used == 0 and cache.pool.blocks.num_used == 0 and cross.batch_size == 0
+        cache.reset()
+        inputs = encoder_inputs("whisper", [0] * 3)
+        assert_same(generate(model, inputs, **MODES["greedy"]), generate(model, inputs, cache, **MODES["greedy"]))
