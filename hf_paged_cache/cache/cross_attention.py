@@ -97,7 +97,7 @@ class PagedCrossAttentionCache(Cache):
         return them as given."""
         keys, values = self.pool.layer(layer_idx, key_states, value_states)
         if not self.rows:
-            self._add_sources(key_states)
+            self._add_sources(key_states, value_states)
         elif (key_states.shape[0], key_states.shape[2]) != (self.batch_size, self.encoder_length):
             raise ValueError(
                 f"cross-attention layer {layer_idx} got {key_states.shape[0]} rows of {key_states.shape[2]} encoder "
@@ -114,11 +114,11 @@ class PagedCrossAttentionCache(Cache):
         self._views = {key: tensor for key, tensor in self._views.items() if key[0] != layer_idx}
         return key_states, value_states
 
-    def _add_sources(self, key_states: torch.Tensor) -> None:
-        """Give each distinct row of `key_states` ``[B, heads, S, dim]`` (generate repeats a request's encoder row
-        for its beams and samples) the blocks of one source, all or nothing."""
+    def _add_sources(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Give each distinct row of the first layer's keys and values ``[B, heads, S, dim]`` (generate repeats a
+        request's encoder row for its beams and samples) the blocks of one source, all or nothing."""
         batch_size, length = key_states.shape[0], key_states.shape[2]
-        flat = key_states.reshape(batch_size, -1)  # [B, heads * S * dim]
+        flat = torch.cat([key_states.reshape(batch_size, -1), value_states.reshape(batch_size, -1)], dim=1)  # [B, n]
         probe = flat[:, :64]  # compared first: rows of different requests differ there already
         sources: list[int] = []
         distinct: list[int] = []  # a row of each source
