@@ -10,6 +10,8 @@ tokens in blocks, as for a decoder-only model) and whose cross-attention cache i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
@@ -51,8 +53,15 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
         self.cross_attention_cache.batch_repeat_interleave(repeats)
 
     def stats(self) -> CacheStats:
-        """The decoder self-attention cache's `CacheStats` (the cross-attention's blocks: ``cross_attention_cache``)."""
-        return self.self_attention_cache.stats()
+        """The decoder self-attention cache's `CacheStats`, with the cross-attention's bytes counted in
+        (`cross_attention_bytes`, and in `bytes_reserved`; `bytes_used` counts the encoder positions they hold)."""
+        stats, cross_cache = self.self_attention_cache.stats(), self.cross_attention_cache
+        cross = cross_cache.nbytes()
+        per_position = cross_cache.pool.bytes_per_block // cross_cache.pool.block_size
+        reserved = stats.bytes_reserved + cross
+        used = stats.bytes_used + len(cross_cache.sources) * cross_cache.encoder_length * per_position
+        return dataclasses.replace(stats, cross_attention_bytes=cross, bytes_reserved=reserved, bytes_used=used,
+                                   utilization=used / reserved if reserved else 1.0)
 
     def fork(self) -> PagedEncoderDecoderCache:
         """A new cache on the same pools with the same rows, sharing every block of both (copy-on-write)."""

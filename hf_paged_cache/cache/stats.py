@@ -47,6 +47,9 @@ class CacheStats:
     bytes_per_state_slot: int = 0  # one sequence's states over every such layer (as written so far)
     state_snapshots: int = 0  # pool-wide: slots findable by prefix, each the states after a block boundary
     state_snapshot_hits: int = 0  # pool-wide: rows that started from a snapshot (`reuse_prefix`)
+    # an encoder-decoder model's cross-attention keys and values (one copy a request, `PagedCrossAttentionCache`),
+    # also in bytes_reserved and bytes_used (0 for other models)
+    cross_attention_bytes: int = 0
 
     @classmethod
     def of(cls, groups: Sequence[RowsView], pool: KVPool, state_slots: Sequence[int] = ()) -> CacheStats:

@@ -73,6 +73,9 @@ def test_beams_and_samples_read_one_copy_of_each_requests_cross_attention(model_
             cross = cache.cross_attention_cache
             assert cross.batch_size >= 6 and len(cross.sources) == 3  # 3 requests, each with its beams or samples
             assert cross.pool.blocks.num_used == 3 * per_request  # one copy a request, whatever its rows
+            stats = cache.stats()
+            assert stats.cross_attention_bytes == 3 * per_request * cross.pool.bytes_per_block
+            assert stats.bytes_reserved == stats.cross_attention_bytes + sum(g.bytes_reserved for g in stats.groups)
             keys = cross.layers[0].keys  # [B, heads, S, dim], gathered for this read: no copy is kept
             assert keys.shape[0] == cross.batch_size and cross.layers[0].keys is not keys
 
