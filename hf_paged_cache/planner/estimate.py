@@ -132,9 +132,15 @@ class MemoryPlan:
 def layer_groups(config: PreTrainedConfig) -> dict[LayerGroup, KVLayout]:
     """The model's layer groups (full attention first, then each window), each with its layers' shapes.
 
-    Raises `NotImplementedError` for a model PagedCache does not support, `ValueError` for a config without
+    Raises `NotImplementedError` for a model PagedCache does not support and for an encoder-decoder model (its
+    cross-attention is not planned yet), `ValueError` for a config without
     attention or state layers or with attention layers that cache nothing (0 heads or dims).
     """
+    if getattr(config, "is_encoder_decoder", False):  # a plan of the decoder's tokens alone would leave most out
+        raise NotImplementedError(
+            f"the planner plans decoder-only models, and {config.model_type!r} is an encoder-decoder model: its "
+            "cross-attention keys and values (per request, the encoder's positions) are not planned yet"
+        )
     layout = KVLayout.from_config(config)  # NotImplementedError for unsupported models
     shapes = [layout.layers[i] for i in layout.token_layers]  # layers that keep nothing (MLP-only, KV sharing): none
     empty = [shape for shape in shapes if min(shape.num_heads, shape.key_dim, shape.value_dim) < 1]

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from repo_paths import DATA, ROOT
+from encoder_decoder_models import tiny_seq2seq
 from tiny_models import VOCAB, ragged_batch, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
@@ -451,3 +452,7 @@ def test_the_deprecated_module_paths_are_gone_and_the_planner_answers_help(cli_r
             importlib.import_module(old)
     status, out, err = cli_runs["--help"]
     assert status == 0 and "--max-memory" in out and not err, err
+
+def test_an_encoder_decoder_model_is_refused_rather_than_planned_without_its_cross_attention():
+    with pytest.raises(NotImplementedError, match="'bart' is an encoder-decoder model: its cross-attention"):
+        plan_memory(tiny_seq2seq("bart").config, prompt_lens=[10], new_tokens=5, weight_bytes=0)
