@@ -20,7 +20,6 @@ Command (the run reported in docs/benchmarks.md)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from transformers import (
 )
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.bench import cache_tensor_bytes
+from hf_paged_cache.bench import cache_tensor_bytes, write_json
 
 PRESETS = {  # from openai/whisper-tiny's and openai/whisper-base's config.json
     "tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
@@ -129,8 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{mode['paged']['max_s']:.2f}), paged/default {mode['time_ratio']:.3f}; cache memory default "
               f"{held['default'] / 2**20:.1f} MiB, paged {held['paged'] / 2**20:.1f} MiB; tokens identical")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result, "cpu")  # with the machine it ran on
     return result
 
 

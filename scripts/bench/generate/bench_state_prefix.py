@@ -21,7 +21,6 @@ Command (the run reported in docs/benchmarks.md; the model from ``random_model.p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_paged_cache import KVPool, PagedCache
-from hf_paged_cache.bench import FirstTokenTimer
+from hf_paged_cache.bench import FirstTokenTimer, write_json
 
 
 def ask(model, pool: KVPool, prompt: torch.Tensor, new_tokens: int, reuse: bool) -> tuple[torch.Tensor, float, int]:
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"max {row['max_s'] * 1e3:.1f})")
     print(f"  speed-up {result['speedup']:.2f}x, answers identical")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_json(args.out, result, "cpu")  # with the machine it ran on
     return result
 
 
