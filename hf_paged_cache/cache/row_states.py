@@ -52,7 +52,6 @@ class RowStates:
         self.slots: list[int] = []  # per row; NULL_SLOT until the row's first forward is kept
         self.keyable: list[bool] = []  # per row: whether its states may be registered as snapshots (no padding)
         self.written: set[StateKey] = set()  # states some kept forward wrote: the rows have a previous state
-        self.kernels: dict[StateKey, int] = {}  # each conv state's kernel size (its width), from its first write
         self.reading: list[int] | None = None  # per row, the slot the forward in progress reads (None: no forward)
         self.working: dict[StateKey, torch.Tensor] = {}  # [B, *shape] the forward's states, kept by `commit`
         self.updated: set[StateKey] = set()  # states the forward in progress has written
@@ -76,7 +75,6 @@ class RowStates:
         self.slots.extend(slots)
         self.keyable.extend([True] * len(slots))
         self.written |= set(self.store.tensors)  # a snapshot holds every state the model writes
-        self.kernels |= {key: tensor.shape[-1] for key, tensor in self.store.tensors.items() if key[1] == "conv"}
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep rows `rows` (repeats allowed, any order), sharing their slots."""
@@ -92,7 +90,6 @@ class RowStates:
         self.slots.extend(other.slots)
         self.keyable.extend(other.keyable)
         self.written |= other.written
-        self.kernels |= other.kernels
 
     def copy_to(self, other: RowStates) -> None:
         """Give `other` (empty, same pool) the same rows, sharing their slots."""
@@ -174,7 +171,8 @@ class RowStates:
         """Append a forward's conv inputs ``[B, C, q]`` to state `key` and return what the causal convolution
         reads: ``[B, C, K + q]`` after a previous state, else the inputs left-padded to at least the kernel
         size `K`; the state keeps the last `K` columns (as transformers' `LinearAttentionLayer` does)."""
-        kernel = self.kernels.setdefault(key, kernel_size or inputs.shape[-1])
+        slots = self.store.tensors.get(key)  # [slots, C, K] once any forward wrote it: its width is the kernel's
+        kernel = slots.shape[-1] if slots is not None else kernel_size or inputs.shape[-1]
         previous = self.state(key)
         if previous is None:
             full = inputs
