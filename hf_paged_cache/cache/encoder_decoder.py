@@ -24,8 +24,8 @@ from .stats import CacheStats
 class PagedEncoderDecoderCache(EncoderDecoderCache):
     """An encoder-decoder model's cache: the decoder's self-attention in a `PagedCache`, the cross-attention in a
     `PagedCrossAttentionCache` (see the module docstring). ``PagedCache(model)`` builds it, with `PagedCache`'s
-    arguments for the self-attention pool; the cross-attention pool has the same block size and dtype and grows as
-    needed."""
+    arguments for the self-attention pool, but for `max_memory`, which it splits between the two pools; the
+    cross-attention pool has the same block size and dtype, and grows as needed without a budget."""
 
     def __init__(self, decoder: Cache, cross: PagedCrossAttentionCache | None = None):
         """Around `decoder`, the decoder self-attention `PagedCache` of an encoder-decoder model (built by
@@ -77,10 +77,8 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
         return self.fork()
 
     def release(self) -> None:
-        """Give every block of both pools back."""
-        self.self_attention_cache.release()
-        self.cross_attention_cache.release()
-        self.is_updated = dict.fromkeys(self.is_updated, False)
+        """Give every block of both pools back (`EncoderDecoderCache.reset`: both caches, and `is_updated`)."""
+        self.reset()
 
     def __enter__(self) -> PagedEncoderDecoderCache:
         return self

@@ -306,9 +306,10 @@ def _observer(names: list[str], args: tuple, kwargs: dict) -> tuple[InputObserve
 
 
 def _decoder_inputs(bound: dict) -> dict:
-    """An encoder-decoder model's forward arguments as the decoder's cache sees them: its decoder inputs under the
-    decoder-only names. No token ids: the keys and values of decoder tokens depend on the encoder's input too, so
-    the ids neither key prefix blocks nor tell repeated rows."""
+    """An encoder-decoder model's forward arguments as the decoder's cache sees them: its decoder mask and
+    positions under the decoder-only names, and no token ids (the decoder's ids, or embeddings, stand as
+    ``inputs_embeds``, which give only the forward's shape): the keys and values of decoder tokens depend on the
+    encoder's input too, so the ids neither key prefix blocks nor tell repeated rows."""
     inputs = bound.get("decoder_input_ids")
     return {"input_ids": None, "attention_mask": bound.get("decoder_attention_mask"),
             "position_ids": bound.get("decoder_position_ids"),

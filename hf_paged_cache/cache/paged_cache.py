@@ -12,7 +12,7 @@ from transformers.cache_utils import DummyLayer
 from ..kinds import LayerSpec, keeps_states, layer_kinds
 from ..kinds.encoder_decoder import cross_attention_share, is_encoder_decoder
 from ..pool.kv_pool import KVPool
-from ..pool.memory import KVLayout, blocks_for_budget, dense_attention_kinds, parse_memory
+from ..pool.memory import KVLayout, dense_attention_kinds, parse_memory
 from .batch import PagedBatch
 from .block_table import BlockTables, RowsView
 from .cross_attention import PagedCrossAttentionCache
@@ -346,9 +346,9 @@ def _encoder_decoder_cache(model: PreTrainedModel, *args: Any, max_memory: int |
     budget = parse_memory(max_memory)
     cross_budget = int(budget * cross_attention_share(model.config))
     decoder = PagedCache.for_decoder(model, *args, max_memory=budget - cross_budget, **kwargs)
-    layout, block_size = decoder.pool.layout, decoder.pool.block_size
-    cross_blocks = blocks_for_budget(cross_budget, layout, block_size, decoder.pool.dtype)  # kept as the model computes them
-    cross_pool = KVPool(layout, num_blocks=cross_blocks, block_size=block_size, dtype=decoder.pool.dtype)
+    pool = decoder.pool  # the cross-attention's: the decoder's heads and head size, kept as the model computes them
+    cross_pool = KVPool.for_config(model.config, layout=pool.layout, block_size=pool.block_size, dtype=pool.dtype,
+                                   max_memory=cross_budget)
     return PagedEncoderDecoderCache(decoder, PagedCrossAttentionCache(cross_pool))
 
 
