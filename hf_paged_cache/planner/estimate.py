@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedConfig
 
+from ..kinds import keeps_states
 from ..models import resolve_model_path
 from ..pool.kv_format import KVFormat, kv_format
 from ..pool.kv_pool import DEFAULT_MAX_SEQUENCES
@@ -288,7 +289,7 @@ def plan_memory(
 
 def _state_bytes(config: PreTrainedConfig, dtype: torch.dtype, given: int | None) -> int:
     """One sequence's state bytes: `given`, else measured from the config for a model with states, else 0."""
-    if not KVLayout.from_config(config).state_layers:
+    if not keeps_states(config):
         return 0
     if given is not None:
         return bounded_count("state_bytes", given, 1, MAX_BLOCKS)
