@@ -49,16 +49,10 @@ def test_past_key_values_is_the_same_cache():
     model = tiny_seq2seq("bart")
     inputs = encoder_inputs("bart", PADS)
     with PagedCache(model) as cache:
-        torch.manual_seed(0)
-        paged = model.generate(**inputs, past_key_values=cache, max_new_tokens=8, do_sample=False,
-                               return_dict_in_generate=True, output_logits=True)
+        paged = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False, return_dict_in_generate=True, output_logits=True)
         assert cache.self_attention_cache.get_seq_length() > 0
-    assert_same(_greedy(model, inputs, 8), paged)
-
-
-def _greedy(model, inputs, new_tokens):
-    return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
-                          output_logits=True)
+    assert_same(generate(model, inputs, **MODES["greedy"]), paged)
 
 
 @pytest.mark.parametrize("model_type", ["bart", "whisper"])
