@@ -14,6 +14,13 @@ source each read that view (no copy: greedy and sampled generation), and rows th
 samples) read a copy selected from it for that read and dropped after it, so that the only lasting copy is the
 pool's, one per request. (`DynamicCache` keeps a copy per beam and copies them all again at every reorder: the
 same one selection a step.) Blocks out of order are gathered for each read.
+
+A continuous batcher's running cache gathers rows from many requests (`add_rows_from`), whose encoder inputs
+may differ in length: each source keeps its own length, the dense read is as long as the longest (a shorter
+source's positions past its end read the null block's zeros) and `encoder_mask` says which positions are real.
+Built with ``keep_reads=True``, it keeps each layer's gathered read until its rows change, so that decode steps
+between a request joining and one leaving read in place (one more copy of the running rows' keys and values,
+as a dense cache would hold) instead of gathering every layer at every step.
 """
 
 from __future__ import annotations
@@ -75,18 +82,31 @@ class PagedCrossAttentionCache(Cache):
     """Cross-attention keys and values in blocks of `pool`, one copy per distinct encoder row (see the module
     docstring). `pool` holds the decoder's cross-attention layers (`KVLayout` of their shapes)."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, *, keep_reads: bool = False):
         self.pool = pool
+        self.keep_reads = keep_reads  # keep gathered reads until the rows change (a batcher's running cache)
         self.sources: list[list[int]] = []  # per distinct encoder row: its blocks (held once)
+        self.lengths: list[int] = []  # per source: its encoder positions
         self.rows: list[int] = []  # per row of the batch: the source it reads
-        self.encoder_length = 0  # S: every source's positions (the encoder's padded length)
         self.written: set[int] = set()  # layers whose keys and values are stored
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (layer, keys 0 / values 1) -> a view of the pool
+        self._reads: dict[tuple[int, int], torch.Tensor] = {}  # with keep_reads: the reads of the rows as they are
         super().__init__(layers=[CrossLayer(self, i) for i in range(pool.layout.num_layers)])
 
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    @property
+    def encoder_length(self) -> int:
+        """S: the positions a dense read has, the longest source's (0 when empty)."""
+        return max(self.lengths, default=0)
+
+    def encoder_mask(self, device: torch.device | None = None) -> torch.Tensor:
+        """``[B, S]`` 1 where row ``b``'s source has position ``s``, 0 past its end (the encoder's attention mask
+        for a forward on this cache's rows)."""
+        lengths = torch.tensor([self.lengths[source] for source in self.rows], device=device)  # [B]
+        return (torch.arange(self.encoder_length, device=device) < lengths.unsqueeze(1)).long()  # [B, S]
 
     # ------------------------------------------------------------------ the first decoder forward
 
@@ -98,7 +118,9 @@ class PagedCrossAttentionCache(Cache):
         keys, values = self.pool.layer(layer_idx, key_states, value_states)
         if not self.rows:
             self._add_sources(key_states, value_states)
-        elif (key_states.shape[0], key_states.shape[2]) != (self.batch_size, self.encoder_length):
+        elif (key_states.shape[0], key_states.shape[2]) != (self.batch_size, self.encoder_length) or (
+            len(set(self.lengths)) > 1
+        ):
             raise ValueError(
                 f"cross-attention layer {layer_idx} got {key_states.shape[0]} rows of {key_states.shape[2]} encoder "
                 f"positions, but this cache holds {self.batch_size} rows of {self.encoder_length}: reset() it first"
@@ -112,6 +134,7 @@ class PagedCrossAttentionCache(Cache):
                 storage.write(slots, rows)
         self.written.add(layer_idx)
         self._views = {key: tensor for key, tensor in self._views.items() if key[0] != layer_idx}
+        self._reads = {key: tensor for key, tensor in self._reads.items() if key[0] != layer_idx}
         return key_states, value_states
 
     def _add_sources(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -135,7 +158,7 @@ class PagedCrossAttentionCache(Cache):
             raise PoolExhaustedError(per_source * len(distinct), self.pool.blocks.num_free, self.pool.blocks.capacity,
                                      self.pool.block_size, "cross attention")
         self.sources = [blocks[i * per_source : (i + 1) * per_source] for i in range(len(distinct))]
-        self.rows, self.encoder_length = sources, length
+        self.rows, self.lengths = sources, [length] * len(distinct)
 
     # ------------------------------------------------------------------ what attention reads
 
@@ -144,13 +167,24 @@ class PagedCrossAttentionCache(Cache):
         forward stored them."""
         if layer_idx not in self.written:
             return None
+        kept = self._reads.get((layer_idx, which))
+        if kept is not None:
+            return kept
+        read = self._read(layer_idx, which)
+        if self.keep_reads:
+            self._reads[(layer_idx, which)] = read
+        return read
+
+    def _read(self, layer_idx: int, which: int) -> torch.Tensor:
+        """`dense`'s read, made anew."""
         sources = self._views.get((layer_idx, which))
         if sources is None:
             storage = self.pool.stored(layer_idx)[which]
             sources = self._view(storage.plain) if storage.plain is not None else None
-            if sources is None:  # blocks out of order, or a scaled format: this read's own copy
+            if sources is None:  # blocks out of order, lengths that differ, or a scaled format: gathered
                 device = storage.plain.device if storage.plain is not None else None
-                return gather(storage, self._slots(self.rows, device), self.batch_size)
+                with self.pool.storage_lock.shared():
+                    return gather(storage, self._slots(self.rows, device), self.batch_size)  # [B, heads, S, dim]
             self._views[(layer_idx, which)] = sources  # a view: kept, it costs nothing
         if self.rows == list(range(len(self.sources))):
             return sources
@@ -162,7 +196,7 @@ class PagedCrossAttentionCache(Cache):
         blocks are one run in order, else None."""
         size, length = self.pool.block_size, self.encoder_length
         blocks = [block for source in self.sources for block in source]
-        if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+        if len(set(self.lengths)) > 1 or blocks != list(range(blocks[0], blocks[0] + len(blocks))):
             return None
         per_source = len(self.sources[0]) * size
         start = blocks[0] * size
@@ -171,10 +205,14 @@ class PagedCrossAttentionCache(Cache):
         return run.view(heads, len(self.sources), per_source, dim).transpose(0, 1)[:, :, :length]
 
     def _slots(self, sources: Sequence[int], device: torch.device | None) -> torch.Tensor:
-        """``[len(sources) * S]`` the slots of each source's positions, source after source."""
-        size = self.pool.block_size
-        blocks = torch.tensor([self.sources[s] for s in sources], dtype=torch.long)  # [n, blocks per source]
-        slots = (blocks.unsqueeze(-1) * size + torch.arange(size)).flatten(1)[:, : self.encoder_length]  # [n, S]
+        """``[len(sources) * S]`` the slots of each source's positions, source after source; a source shorter than
+        S reads slot 0 (the null block's zeros) past its end."""
+        size, length = self.pool.block_size, self.encoder_length
+        slots = torch.zeros(len(sources), length, dtype=torch.long)  # [n, S]
+        for row, source in enumerate(sources):
+            blocks = torch.tensor(self.sources[source], dtype=torch.long)  # [blocks of the source]
+            own = (blocks.unsqueeze(-1) * size + torch.arange(size)).flatten()[: self.lengths[source]]
+            slots[row, : len(own)] = own
         return slots.flatten().to(device)
 
     # ------------------------------------------------------------------ rows
@@ -193,21 +231,36 @@ class PagedCrossAttentionCache(Cache):
     def _keep(self, rows: list[int]) -> None:
         """Make `rows` (source per row) the rows; give back the sources no row reads any more."""
         if rows != self.rows:
-            self._views = {}
+            self._views, self._reads = {}, {}
         kept = sorted(set(rows))
         for source, blocks in enumerate(self.sources):
             if source not in kept:
                 self.pool.blocks.free(reversed(blocks))
         self.sources = [self.sources[s] for s in kept]
+        self.lengths = [self.lengths[s] for s in kept]
         self.rows = [kept.index(s) for s in rows]
+
+    def add_rows_from(self, other: PagedCrossAttentionCache) -> None:
+        """Move `other`'s rows (a cache on the same pool) in after this one's: its sources change hands, no key or
+        value is copied; `other` is left empty."""
+        if other.pool is not self.pool:
+            raise ValueError("add_rows_from() needs a cross-attention cache on the same pool")
+        offset = len(self.sources)
+        self.sources += other.sources
+        self.lengths += other.lengths
+        self.rows += [offset + source for source in other.rows]
+        self.written |= other.written
+        self._views, self._reads = {}, {}
+        other.sources, other.lengths, other.rows, other.written = [], [], [], set()
+        other._views, other._reads = {}, {}
 
     def fork(self) -> PagedCrossAttentionCache:
         """A new cache on the same pool with the same rows, sharing every source's blocks (no copy)."""
-        twin = PagedCrossAttentionCache(self.pool)
+        twin = PagedCrossAttentionCache(self.pool, keep_reads=self.keep_reads)
         for blocks in self.sources:
             self.pool.blocks.incref(blocks)
         twin.sources = [list(blocks) for blocks in self.sources]
-        twin.rows, twin.encoder_length, twin.written = list(self.rows), self.encoder_length, set(self.written)
+        twin.rows, twin.lengths, twin.written = list(self.rows), list(self.lengths), set(self.written)
         return twin
 
     def __deepcopy__(self, memo: dict) -> PagedCrossAttentionCache:
@@ -221,7 +274,6 @@ class PagedCrossAttentionCache(Cache):
         """Give every source back and forget the rows."""
         self._keep([])
         self.written = set()
-        self.encoder_length = 0
 
     release = reset
 

@@ -6,6 +6,12 @@ tokens and a cross-attention cache for the keys and values computed from the enc
 tokens in blocks, as for a decoder-only model) and whose cross-attention cache is a `PagedCrossAttentionCache`
 (one copy per request, in blocks of a pool of its own, read by every beam and sample of the request).
 ``PagedCache(model)`` builds one for an encoder-decoder model.
+
+A continuous batcher drives it as it drives a `PagedCache`: each request prefills in a cache of its own
+(`empty_like`), whose rows then join the running batch (`add_rows_from`: blocks and sources change hands), and
+the decoder's step-by-step methods (`commit`, `settle`, `is_real`, `drop_leading_padding`) are its
+self-attention cache's. Its next forward passes the cross-attention's `encoder_mask` as the encoder's attention
+mask, since the rows' encoder inputs may differ in length.
 """
 
 from __future__ import annotations
@@ -43,6 +49,53 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
     def pool(self) -> KVPool:
         """The decoder self-attention's pool (the cross-attention's is ``cross_attention_cache.pool``)."""
         return self.self_attention_cache.pool
+
+    # ------------------------------------------------------------------ what a continuous batcher calls
+
+    keeps_states = False  # no conv / recurrent states: every decoder layer attends
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_attention_cache.batch_size
+
+    @property
+    def is_real(self) -> torch.Tensor:
+        """``[B, L]`` the decoder self-attention's padding mask (False where a position is padding)."""
+        return self.self_attention_cache.is_real
+
+    def encoder_mask(self, device: torch.device | None = None) -> torch.Tensor:
+        """``[B, S]`` the encoder's attention mask for a forward on these rows (`PagedCrossAttentionCache`)."""
+        return self.cross_attention_cache.encoder_mask(device)
+
+    def empty_like(self) -> PagedEncoderDecoderCache:
+        """A new empty cache on the same two pools, committing as this one does."""
+        cross = self.cross_attention_cache
+        return PagedEncoderDecoderCache(self.self_attention_cache.empty_like(),
+                                        PagedCrossAttentionCache(cross.pool, keep_reads=cross.keep_reads))
+
+    def add_rows_from(self, other: PagedEncoderDecoderCache) -> None:
+        """Move `other`'s rows in after this one's, in both caches (no key or value copied); `other` is left empty."""
+        self.self_attention_cache.add_rows_from(other.self_attention_cache)
+        self.cross_attention_cache.add_rows_from(other.cross_attention_cache)
+        self.is_updated = {layer: True for layer in self.cross_attention_cache.written}
+        other.is_updated = {}
+
+    def drop_leading_padding(self) -> int:
+        return self.self_attention_cache.drop_leading_padding()
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Keep the decoder's pending forward (``manual_commit``); the cross-attention's keys and values are
+        written once, at a request's first forward, and go with `release` if that forward is not kept."""
+        if keep is not None:
+            raise NotImplementedError("an encoder-decoder model's cache takes no draft tokens")
+        self.self_attention_cache.commit()
+
+    def settle(self) -> None:
+        self.self_attention_cache.settle()
+
+    def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """0: a decoder's keys depend on the encoder's input too, which no prefix key covers."""
+        return 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.self_attention_cache.batch_select_indices(indices)

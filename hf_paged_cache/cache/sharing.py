@@ -68,6 +68,10 @@ class BlockSharing:
                 mine.length, mine.is_initialized = theirs.length, theirs.is_initialized
         return twin
 
+    def empty_like(self) -> BlockSharing:
+        """A new empty cache on the same pool, committing as this one does (a batcher's cache for one request)."""
+        return type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
+
     def __deepcopy__(self, memo: dict) -> BlockSharing:
         """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""
         return self.fork()

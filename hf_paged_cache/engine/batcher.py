@@ -27,10 +27,12 @@ from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.paged_cache import PagedCache
 from ..cache.state_probe import one_token
 from ..errors import BatcherClosed
+from ..kinds.encoder_decoder import is_encoder_decoder
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
 from ..speculative.draft_model import DraftModel
 from ..speculative.speculator import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
+from .encoder_inputs import EncoderInput, check_positions, encoder_input
 from .executor import StepExecutor
 from .inbox import Inbox
 from .request import Request, RequestHandle
@@ -130,13 +132,16 @@ class ContinuousBatcher:
             raise ValueError(
                 f"speculative={speculative!r}: expected 'ngram', 'off', None, a draft model or a Speculator"
             )
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise NotImplementedError(
-                f"the continuous batcher runs decoder-only models, and {type(model).__name__} is an encoder-decoder "
-                "model: generate with cache=PagedCache(model) runs it"
-            )
+        encoder_decoder = is_encoder_decoder(model.config)
+        if encoder_decoder:
+            check_positions(model)
+            if speculative not in (None, "off"):  # drafts are verified on decoder-only models' caches
+                raise NotImplementedError(
+                    f"speculative decoding is not supported on {type(model).__name__}, an encoder-decoder model; "
+                    "pass speculative=None"
+                )
         self.model = model
-        if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
+        if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES and not encoder_decoder:
             try:
                 set_paged_attention(model)
             except NotImplementedError:
@@ -147,6 +152,9 @@ class ContinuousBatcher:
             model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool, manual_commit=True,
             kv_dtype=kv_dtype, max_sequences=sequences,
         )
+        if encoder_decoder:
+            running_cache.cross_attention_cache.keep_reads = True  # decode steps read one copy until rows change
+            pack_steps = False  # each row attends to its own encoder's output
         self.pool = running_cache.pool
         self.tokenizer = tokenizer
         self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -198,8 +206,14 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, input_ids: Sequence[int] | torch.Tensor, **generation_kwargs: Any) -> RequestHandle:
+    def submit(
+        self, input_ids: Sequence[int] | torch.Tensor | None = None, **generation_kwargs: Any
+    ) -> RequestHandle:
         """Queue one prompt (token ids: a list or a 1-D tensor); returns its handle at once.
+
+        On an encoder-decoder model, as for its ``generate``: `input_ids` are the encoder's (T5, BART, Marian),
+        or ``input_features=`` ``[mel bins, frames]`` (Whisper), and ``decoder_input_ids=`` is the decoder's
+        prompt (default: its start token); ``max_new_tokens`` counts the decoder's tokens.
 
         `generation_kwargs` are `GenerationConfig` fields (``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
@@ -211,24 +225,27 @@ class ContinuousBatcher:
         ``assistant_model``, ``output_scores``, ...), `TypeError` an unknown one. `QueueFullError` past
         `max_waiting`, `BatcherClosed` once closed.
         """
-        request = self._request(_token_list(input_ids), generation_kwargs)
+        prompt, encoder, generation_kwargs = self._inputs(input_ids, generation_kwargs)
+        request = self._request(prompt, generation_kwargs, encoder)
         self._enqueue(request)
         return request.handle
 
-    def submit_group(self, input_ids: Sequence[int] | torch.Tensor, n: int, **generation_kwargs: Any) -> list[RequestHandle]:
+    def submit_group(
+        self, input_ids: Sequence[int] | torch.Tensor | None, n: int, **generation_kwargs: Any
+    ) -> list[RequestHandle]:
         """Queue `n` choices of one prompt (OpenAI's ``n``); returns their handles at once, in order.
 
         The prompt is prefilled once: each choice picks its first token from the same logits, then decodes in
         a row of its own that shares the prompt's blocks (copy-on-write). Arguments as for `submit`; with
         ``seed=s``, choice ``i`` samples with seed ``s + i``. The group takes one place in ``max_waiting``.
         """
-        prompt = _token_list(input_ids)
+        prompt, encoder, generation_kwargs = self._inputs(input_ids, generation_kwargs)
         count = as_count("n", n, 1)
         seed = generation_kwargs.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         requests = [
-            self._request(prompt, generation_kwargs if seed is None else {**generation_kwargs, "seed": seed + i})
+            self._request(prompt, generation_kwargs if seed is None else {**generation_kwargs, "seed": seed + i}, encoder)
             for i in range(count)
         ]
         requests[0].followers = requests[1:]
@@ -279,11 +296,30 @@ class ContinuousBatcher:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _request(self, prompt: list[int], generation_kwargs: dict[str, Any]) -> Request:
+    def _inputs(
+        self, input_ids: Sequence[int] | torch.Tensor | None, generation_kwargs: dict[str, Any]
+    ) -> tuple[list[int], EncoderInput | None, dict[str, Any]]:
+        """A submission's prompt, its encoder input (encoder-decoder models; see `submit`) and the rest of its
+        arguments."""
+        if not is_encoder_decoder(self.model.config):
+            return _token_list(input_ids), None, generation_kwargs
+        kwargs = dict(generation_kwargs)
+        encoder = encoder_input(self.model, input_ids, kwargs.pop("input_features", None))
+        decoder_ids = kwargs.pop("decoder_input_ids", None)
+        if decoder_ids is None:
+            start = self.model.generation_config.decoder_start_token_id
+            if start is None:
+                raise ValueError(f"{type(self.model).__name__} names no decoder_start_token_id: pass decoder_input_ids")
+            decoder_ids = flat_token_ids(start)[:1]
+        return _token_list(decoder_ids), encoder, kwargs
+
+    def _request(
+        self, prompt: list[int], generation_kwargs: dict[str, Any], encoder: EncoderInput | None = None
+    ) -> Request:
         """A checked request (`ValueError` / `TypeError` for a bad argument), not yet queued."""
         return Request(
             next(self._ids), prompt, self.model, generation_kwargs,
-            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake,
+            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake, encoder=encoder,
         )
 
     def _enqueue(self, request: Request) -> None:

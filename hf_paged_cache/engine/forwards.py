@@ -4,18 +4,22 @@ A step of the plan runs as one of these: the decode rows in one forward of the r
 row, or ``1 + k`` with drafts), a prompt chunk in a forward of its own request's cache, or all of them packed
 in one forward over one sequence (`cache.packed_forward`). A forward that raises leaves every cache as it was
 (each `PagedCache` rolls its step back); one that returns leaves its caches pending (``manual_commit``) until
-the executor commits or settles them.
+the executor commits or settles them. An encoder-decoder model's forwards take their encoder inputs as
+`engine.encoder_inputs` says.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
 
+from ..cache.encoder_decoder import PagedEncoderDecoderCache
 from ..cache.packed_caches import Segment
 from ..cache.packed_forward import packed_forward
 from ..cache.paged_cache import PagedCache
 from ..speculative.speculator import Drafts
+from .encoder_inputs import encode, encoder_stand_in, row_positions
 from .plan import Chunk, StepPlan
 from .request import Request
 
@@ -30,6 +34,8 @@ class StepForwards:
         """One new token for each row of `cache` (left pending), after its `drafts` if any: the logits ``[B, V]``
         (with drafts ``[B, 1 + k, V]``, every position's)."""
         input_ids, positions, mask = self.decode_inputs(cache, requests, drafts)
+        if isinstance(cache, PagedEncoderDecoderCache):
+            return self._decode_encoder_decoder(cache, input_ids, positions, mask)
         if drafts is not None:
             cache.expect_drafts(drafts.k)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
@@ -40,12 +46,48 @@ class StepForwards:
         """The chunk's forward on its request's cache (left pending); its logits ``[r, V]`` at `logit_offsets`:
         every position's when the prompt's log-probabilities are asked for, else the last position's."""
         device = self.model.device
+        if chunk.request.encoder is not None:
+            return self._chunk_encoder_decoder(chunk)
         out = self.model(
             input_ids=torch.tensor([chunk.tokens], device=device),
             position_ids=torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device).unsqueeze(0),
             cache=chunk.cache, use_cache=True, logits_to_keep=0 if chunk.request.needs_prompt_logprobs else 1,
         )
         return out.logits[0]
+
+    def encode(self, chunks: list[Chunk]) -> None:
+        """Run the encoder for the chunks' requests that need it, in one batch (`encoder_inputs.encode`)."""
+        encode(self.model, [chunk.request.encoder for chunk in chunks if chunk.request.encoder is not None])
+
+    def _chunk_encoder_decoder(self, chunk: Chunk) -> torch.Tensor:
+        """`chunk` for an encoder-decoder request: its decoder tokens, after its encoder's output (computed now
+        if no batch computed it; dropped after the prompt's last chunk)."""
+        encoder = chunk.request.encoder
+        encode(self.model, [encoder])
+        device = self.model.device
+        out = self.model(
+            decoder_input_ids=torch.tensor([chunk.tokens], device=device),
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder.hidden),
+            attention_mask=torch.ones(encoder.hidden.shape[:2], dtype=torch.long, device=device),
+            cache=chunk.cache, use_cache=True,
+        )
+        if chunk.finishes:
+            encoder.hidden = None  # its cross-attention is in the pool now (a preempted request encodes again)
+        wanted = logit_offsets(chunk) if chunk.request.needs_prompt_logprobs else [len(chunk.tokens) - 1]
+        return out.logits[0, wanted]
+
+    def _decode_encoder_decoder(
+        self, cache: PagedEncoderDecoderCache, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """`decode` on an encoder-decoder model's running rows, whose cross-attention reads the cache alone."""
+        encoder_mask = cache.encoder_mask(input_ids.device)  # [B, S]
+        with row_positions(self.model, positions) as position_arguments:
+            out = self.model(
+                decoder_input_ids=input_ids, decoder_attention_mask=mask, attention_mask=encoder_mask,
+                encoder_outputs=encoder_stand_in(self.model, encoder_mask), cache=cache, use_cache=True,
+                **position_arguments,
+            )
+        return out.logits[:, -1]
 
     def packed(self, plan: StepPlan) -> tuple[torch.Tensor, list[slice], list[PagedCache]]:
         """The plan's decode rows (with its drafts, if any) and prompt chunks in one packed forward, every cache

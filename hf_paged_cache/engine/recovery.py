@@ -37,6 +37,10 @@ def run_apart(forwards: StepForwards, plan: StepPlan, result: StepResult) -> Non
     docstring says; what each request kept, or why it failed, in `result`."""
     if plan.running:  # decode rows first: a long prefill never takes the blocks their next tokens need
         _run_decode(forwards, plan.running_cache, plan.running, result)
+    try:
+        forwards.encode(plan.chunks)  # the step's encoder inputs in one batch (encoder-decoder models)
+    except Exception:  # noqa: BLE001 (each chunk then encodes its own input, and fails alone)
+        pass
     for chunk in plan.chunks:
         if not _run_chunk(forwards, chunk, result):
             break  # out of blocks: the later chunks wait for the next step, as they are

@@ -35,6 +35,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..errors import RequestCancelled
 from .constraints import Constraint
+from .encoder_inputs import EncoderInput
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .validation import REQUEST_ARGUMENTS, check_request, flat_token_ids, generation_config_for
 
@@ -225,6 +226,7 @@ class Request:
         tokenizer: Any = None,
         context: int | None = None,
         on_cancel: Callable[[], None] = lambda: None,
+        encoder: EncoderInput | None = None,
     ):
         kwargs = dict(generation_kwargs)
         extras = {name: kwargs.pop(name) for name in REQUEST_ARGUMENTS if name in kwargs}
@@ -236,7 +238,8 @@ class Request:
         check_request(prompt, config, model, context)
         model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
         self.id = request_id
-        self.prompt = list(prompt)
+        self.prompt = list(prompt)  # an encoder-decoder model's: the decoder's prompt
+        self.encoder = encoder  # an encoder-decoder model's: what its encoder reads (`engine.encoder_inputs`)
         self.config = config
         self.processors: LogitsProcessorList = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt), device=model.device,

@@ -255,7 +255,7 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             self._left_queue(request)
-            cache = PagedCache(self.model, pool=self.pool, manual_commit=True)
+            cache = self.running_cache.empty_like()
             done = cache.reuse_prefix(torch.tensor([request.tokens])) if request.takes_cached_prefix else 0
             self.outcomes.tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))

@@ -9,7 +9,7 @@ import torch
 from encoder_decoder_models import ENCODER_DECODER_CONFIGS, encoder_inputs, tiny_seq2seq
 from transformers import DynamicCache, EncoderDecoderCache
 
-from hf_paged_cache import ContinuousBatcher, PagedCache, PagedEncoderDecoderCache, PoolExhaustedError
+from hf_paged_cache import PagedCache, PagedEncoderDecoderCache, PoolExhaustedError
 
 MODEL_TYPES = list(ENCODER_DECODER_CONFIGS)
 PADS = [0, 3, 6]
@@ -102,11 +102,6 @@ def test_rows_that_leave_give_their_requests_blocks_back():
 def test_a_config_built_cache_of_an_encoder_decoder_model_is_refused():
     with pytest.raises(ValueError, match="an encoder-decoder model's PagedCache \\('bart'\\) is built from the model"):
         PagedCache(tiny_seq2seq("bart").config)
-
-
-def test_the_batcher_refuses_an_encoder_decoder_model_by_name():
-    with pytest.raises(NotImplementedError, match="BartForConditionalGeneration is an encoder-decoder model"):
-        ContinuousBatcher(tiny_seq2seq("bart"))
 
 
 

@@ -3,7 +3,8 @@
 
 The exactness of each "exact" row is asserted by tests/cache/test_parity.py (`TINY_CONFIGS`),
 tests/cache/test_layer_kinds.py (`LAYER_KIND_CONFIGS`) and tests/cache/test_encoder_decoder.py
-(`ENCODER_DECODER_CONFIGS`). Rewrite the table after changing the configs or what is
+(`ENCODER_DECODER_CONFIGS`); the batcher's "yes" by tests/engine/test_batcher_layer_kinds.py and
+tests/engine/test_batcher_encoder_decoder.py. Rewrite the table after changing the configs or what is
 supported: ``HF_PAGED_CACHE_WRITE_DOCS=1 python -m pytest tests/project/test_supported_models.py``.
 """
 
@@ -17,7 +18,7 @@ from repo_paths import DOCS
 from tiny_models import TINY_CONFIGS, tiny_model
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from hf_paged_cache import PagedCache
+from hf_paged_cache import ContinuousBatcher, PagedCache
 from hf_paged_cache.pool.memory import dense_attention_kinds
 
 PAGE = DOCS / "layer-kinds.md"
@@ -58,7 +59,11 @@ def encoder_decoder_row(model_type: str) -> str:
     with PagedCache(model) as cache:  # an EncoderDecoderCache: the decoder's blocks and the cross-attention's
         model.generate(**encoder_inputs(model_type, [0]), cache=cache, max_new_tokens=1, do_sample=False)
         verdict = "exact" if cache.cross_attention_cache.written else "no cross attention stored"
-    batcher = "refused (encoder-decoder)"
+    try:
+        ContinuousBatcher(model).close()
+        batcher = "yes"
+    except NotImplementedError as error:
+        batcher = f"refused: {_reason(error)}"
     kinds = "full_attention (decoder), cross attention"
     return f"| `{model_type}` | {type(model).__name__} | {kinds} | {verdict} | no (cross attention) | {batcher} |"
 
