@@ -67,6 +67,10 @@ def encoder_input(
     vocab = model.get_input_embeddings().num_embeddings
     if ids.ndim != 1 or ids.is_floating_point() or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"the encoder's input_ids must be a non-empty 1-D list of token ids below {vocab}")
+    config = model.config
+    longest = getattr(config, "max_source_positions", None) or getattr(config, "max_position_embeddings", None)
+    if longest is not None and len(ids) > longest:
+        raise ValueError(f"the encoder's input is {len(ids)} tokens; {type(model).__name__} reads at most {longest}")
     return EncoderInput({"input_ids": ids.to(model.device).unsqueeze(0)})
 
 

@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most tokens of prompt and answer (default: the model's)")
     parser.add_argument("--max-n", type=_positive, default=16, help="most choices per request (default: 16)")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
-                        help="largest request body; larger get 413 (default: 4 MiB)")
+                        help="largest request body; larger get 413 (default: 4 MiB: raise it for long audio uploads)")
+    parser.add_argument("--max-audio-seconds", type=_seconds, default=3600.0,
+                        help="longest audio a speech model transcribes; longer gets 400 (default: 3600)")
     parser.add_argument("--max-schema-bytes", type=_positive, default=64 * 1024,
                         help="largest JSON schema, regex or grammar a request may send (default: 65536)")
     parser.add_argument("--grammar-compile-timeout", type=_seconds, default=10.0,
@@ -183,6 +185,16 @@ def load_engine(options: argparse.Namespace, chat_template: str | None, metrics:
     engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
                           metrics=metrics)
     logger.info("context: %d tokens per request (prompt and answer)", engine.max_model_len)
+    if batcher.model.main_input_name == "input_features":  # a speech model: /v1/audio/transcriptions
+        from transformers import AutoFeatureExtractor
+
+        from .http.transcription import Transcriber
+
+        extractor = AutoFeatureExtractor.from_pretrained(options.model)
+        engine.transcriber = Transcriber(engine, extractor, batcher.model.generation_config,
+                                         max_seconds=options.max_audio_seconds)
+        logger.info("transcribes audio of up to %g s, in windows of %g s", options.max_audio_seconds,
+                    engine.transcriber.window_seconds)
     return engine
 
 
@@ -221,16 +233,24 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
 
 
 def _answer_one_request(batcher: ContinuousBatcher, options: argparse.Namespace) -> None:
-    """Run one request (a prompt of one token, two new tokens: a prefill and a decode step) through `batcher`
-    before the server says it is ready, so that a configuration this machine cannot run (a dtype its CPU's
+    """Run one request (a prompt of one token, two new tokens: a prefill and a decode step; a speech model's
+    encoder hears a window of silence) through `batcher` before the server says it is ready, so that a configuration this machine cannot run (a dtype its CPU's
     kernels refuse, say) stops the server at start-up with its error instead of failing every request.
 
     Raises:
         RuntimeError: naming the model, dtype and device, from the request's own error (closing `batcher`).
     """
+    import torch
+
     start = time.perf_counter()
+    model = batcher.model
     try:
-        batcher.generate([[0]], max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        if model.main_input_name == "input_features":  # Whisper: a window of silence's features
+            frames = 2 * model.config.max_source_positions  # the encoder's stride-2 convolution halves them
+            features = torch.zeros(model.config.num_mel_bins, frames)
+            batcher.submit(input_features=features, max_new_tokens=2, min_new_tokens=2, do_sample=False).result()
+        else:
+            batcher.generate([[0]], max_new_tokens=2, min_new_tokens=2, do_sample=False)
     except Exception as error:
         batcher.close()
         raise RuntimeError(f"{options.model} cannot answer a request as configured (--dtype {options.dtype}, "
@@ -265,6 +285,9 @@ def _speculative_option(options: argparse.Namespace, dtype: torch.dtype, model: 
 
     choice = options.speculative
     if choice is None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            logger.info("speculative decoding is off: %s is an encoder-decoder model", options.model)
+            return "off"
         if keeps_states(model.config):
             logger.info("speculative decoding is off: %s has layers with conv / recurrent states, which cannot "
                         "give back rejected drafts", options.model)
@@ -305,13 +328,13 @@ def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | Non
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name, trust_remote_code=options.trust_remote_code)
-    if getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(
-            f"the server runs decoder-only models, and {name} ({config.model_type}) is an encoder-decoder model: "
-            "serving it is not built yet (generate with cache=PagedCache(model) runs it)"
-        )
+    loader = AutoModelForCausalLM
+    if getattr(config, "is_encoder_decoder", False):  # the prompt is the encoder's input (Whisper: its audio)
+        from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+        loader = AutoModelForSpeechSeq2Seq if hasattr(config, "num_mel_bins") else AutoModelForSeq2SeqLM
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=options.trust_remote_code)
+    model = loader.from_pretrained(name, dtype=dtype, trust_remote_code=options.trust_remote_code)
     return model.to(options.device).eval(), tokenizer
 
 

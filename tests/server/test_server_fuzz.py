@@ -60,7 +60,7 @@ REFUSED_BY_DESIGN = ("logit_bias", "response_format", "tools", "tool_choice", "f
                      "best_of", "modalities", "audio")  # params.py refuses these when set
 ROUTES = {
     "GET /health", "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions", "POST /v1/chat/completions",
-    "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /metrics",
+    "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /metrics", "POST /v1/audio/transcriptions",
 }
 
 

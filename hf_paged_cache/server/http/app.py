@@ -7,6 +7,7 @@
 | ``POST /v1/completions`` | text completion of one or more prompts, ``n`` choices each, streamed or not |
 | ``POST /v1/chat/completions`` | the messages through the chat template, then as a completion |
 | ``POST /v1/responses`` | OpenAI's Responses API (stateless), run as a chat completion |
+| ``POST /v1/audio/transcriptions`` | OpenAI's speech to text (a multipart upload) on a Whisper model (`speech`) |
 | ``POST /tokenize``, ``POST /detokenize`` | vLLM's: a prompt (or messages) to token ids, and back |
 | ``GET /metrics`` | Prometheus metrics of the app's own registry |
 | ``GET /openapi.json`` | the OpenAPI schema of the routes above: request bodies, answers and error objects |
@@ -73,6 +74,7 @@ from .protocol import (
 )
 from .responses import ResponsesFormatter, chat_request_for, responses_param
 from .settings import ServerSettings
+from .speech import add_speech_routes
 from .tools import tool_request
 
 logger = logging.getLogger("hf_paged_cache.serve")
@@ -143,6 +145,10 @@ def build_app(
         engine = lifecycle.engine()
         check_model(body.model, settings.model_name)
         refuse_unsupported(body)
+        if body.echo and engine.decoder_prompt is not None:
+            raise APIError(400, f"{settings.model_name} is an encoder-decoder model: its prompt is the encoder's "
+                                "input, which the answer does not continue (echo is not supported)",
+                           param="echo", code="invalid_value")
         prompts = completion_prompts(body, engine)
         echo_logprobs = body.logprobs if body.echo else None
         options = generation_options(
@@ -155,6 +161,8 @@ def build_app(
             echo=body.echo, logprobs=body.logprobs, tokens_as_ids=body.return_tokens_as_token_ids,
         )
         return await _answer(request, body, _start(engine, prompts, options, "prompt"), formatter)
+
+    add_speech_routes(app, lifecycle, settings, _errors(400, *key, 404, 413, 429, 500, 503))
 
     @app.post("/v1/chat/completions", responses={
         200: _answer_content(ChatCompletionResponse, chunk=ChatCompletionChunk),

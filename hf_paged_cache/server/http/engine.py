@@ -4,6 +4,10 @@ It tokenizes prompts, renders chat templates, turns OpenAI's sampling settings i
 `GenerationConfig` fields, stop tokens, the presence and frequency penalties) and submits a request's prompts,
 the `n` choices of each with `ContinuousBatcher.submit_group` (which prefills the prompt once). What comes back
 is a `Generation`: the choices' tokens as one async stream of text and log-probabilities.
+
+On an encoder-decoder model (`Submitter.decoder_prompt` set), a prompt is what the encoder reads and the decoder
+starts from its own prompt; a request whose encoder reads something else (Whisper's features: `transcription`)
+passes it as ``encoder_inputs``, its prompts then being the decoder's.
 """
 
 from __future__ import annotations
@@ -56,13 +60,16 @@ class Submitter(Protocol):
     """What `EngineClient` runs requests on: a `ContinuousBatcher`, or the replicas of one
     (`hf_paged_cache.server.ray.ReplicaClient`)."""
 
-    context: int | None  # the model's max_position_embeddings
+    context: int | None  # the model's max_position_embeddings (an encoder-decoder model's decoder's)
     vocab_size: int  # a prompt's ids are below it
     eos_token_ids: tuple[int, ...]  # the model's generation config's
+    decoder_prompt: tuple[int, ...] | None  # an encoder-decoder model's decoder start; None for a decoder-only one
 
-    def submit(self, input_ids: Sequence[int], **generation_kwargs: Any) -> RequestHandle: ...
+    def submit(self, input_ids: Sequence[int] | None, **generation_kwargs: Any) -> RequestHandle: ...
 
-    def submit_group(self, input_ids: Sequence[int], n: int, **generation_kwargs: Any) -> list[RequestHandle]: ...
+    def submit_group(
+        self, input_ids: Sequence[int] | None, n: int, **generation_kwargs: Any
+    ) -> list[RequestHandle]: ...
 
     def close(self, timeout: float = 0.0) -> None: ...
 
@@ -89,6 +96,8 @@ class EngineClient:
             raise ValueError("the model has no max_position_embeddings: pass max_model_len")
         self.max_model_len = min(limits)
         self.vocab_size = batcher.vocab_size
+        self.decoder_prompt = getattr(batcher, "decoder_prompt", None)
+        self.transcriber: Any = None  # a speech model's `transcription.Transcriber` (set by the server)
         self.chat_template = chat_template
         self.metrics = metrics
         # a request stops at the model's EOS ids and the tokenizer's (as vLLM does), unless it says ignore_eos
@@ -137,8 +146,13 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], options: GenerationOptions) -> Generation:
-        """Submit every prompt with its `options.n` choices; returns at once.
+    def generate(
+        self, prompts: Sequence[Sequence[int]], options: GenerationOptions, *,
+        encoder_inputs: Sequence[dict[str, Any]] | None = None,
+    ) -> Generation:
+        """Submit every prompt with its `options.n` choices; returns at once. With `encoder_inputs` (one
+        `ContinuousBatcher.submit` encoder argument a prompt, e.g. ``{"input_features": ...}``), the prompts are
+        the decoder's.
 
         Raises what `submit` raises (`ValueError` for a value the batcher refuses, `QueueFullError`,
         `RuntimeError` once closed) after cancelling what it had submitted. Must be called on the event loop
@@ -147,13 +161,17 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         groups: list[list[RequestHandle]] = []
         submitted_at = time.perf_counter()
+        decoders = [self._decoder_prompt(prompt, encoder_inputs is not None) for prompt in prompts]
         try:
-            for prompt in prompts:
-                kwargs = self._submit_kwargs(len(prompt), options)
+            for p, (prompt, decoder) in enumerate(zip(prompts, decoders)):
+                kwargs = self._submit_kwargs(len(decoder), options)
+                source = list(prompt)
+                if encoder_inputs is not None:
+                    source, kwargs = None, {**kwargs, **encoder_inputs[p], "decoder_input_ids": decoder}
                 if options.n == 1:
-                    groups.append([self.batcher.submit(list(prompt), **kwargs)])
+                    groups.append([self.batcher.submit(source, **kwargs)])
                 else:
-                    groups.append(self.batcher.submit_group(list(prompt), options.n, **kwargs))
+                    groups.append(self.batcher.submit_group(source, options.n, **kwargs))
         except BaseException:
             for handles in groups:
                 for handle in handles:
@@ -163,16 +181,23 @@ class EngineClient:
         choices = [
             ChoiceStream(
                 index=p * options.n + j, prompt_index=p, prompt_length=len(prompt), handle=handle,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, decoder),
                 matcher=StopStringMatcher(options.stop),
                 stop_ids=stop_ids,
                 logprobs=options.logprobs is not None, prompt_logprobs=options.prompt_logprobs is not None,
                 first_of_prompt=j == 0,
             )
-            for p, (prompt, handles) in enumerate(zip(prompts, groups))
+            for p, (prompt, decoder, handles) in enumerate(zip(prompts, decoders, groups))
             for j, handle in enumerate(handles)
         ]
         return Generation(loop, choices, submitted_at, self.metrics)
+
+    def _decoder_prompt(self, prompt: Sequence[int], is_decoders: bool) -> list[int]:
+        """The tokens `prompt`'s answer follows in the decoder: itself, unless it is an encoder-decoder model's
+        encoder input (`is_decoders` False), whose answer follows the decoder's start."""
+        if self.decoder_prompt is None or is_decoders:
+            return list(prompt)
+        return list(self.decoder_prompt)
 
     def _submit_kwargs(self, prompt_length: int, options: GenerationOptions) -> dict[str, Any]:
         """`options` as `submit` arguments: transformers' sampling settings, stop tokens and processors."""
