@@ -179,6 +179,7 @@ class PendingInputs:
         self.attention: str | None = None  # the model's attention implementation for this forward
         self.hooked = False  # observed by the model's pre-hook: its forward hook reports the forward's end
         self.query_length: int | None = None  # the next forward's new tokens per row; None when none is observed
+        self.next_keys: torch.Tensor | None = None  # [B, q] ids to key the next forward's blocks by, if not its own
 
     def observe(
         self,
@@ -189,7 +190,8 @@ class PendingInputs:
         attention: str | None = None,
         hooked: bool = False,
     ) -> None:
-        """Keep the last `query_length` columns of a 2-D ``[B, past + q]`` mask, 2-D `input_ids` and positions.
+        """Keep the last `query_length` columns of a 2-D ``[B, past + q]`` mask, 2-D `input_ids` (or the ids
+        `next_keys` holds) and positions.
 
         Anything else means "no padding", "ids unknown" and "default positions". `attention` names the
         model's attention implementation (None when unknown); `hooked` says the model's forward hook will
@@ -200,6 +202,8 @@ class PendingInputs:
             if attention_mask.shape[1] >= query_length:
                 self.mask = attention_mask[:, attention_mask.shape[1] - query_length :].bool()
         self.ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 else None
+        if self.next_keys is not None:
+            self.ids, self.next_keys = self.next_keys, None
         self.positions = position_ids if isinstance(position_ids, torch.Tensor) else None
         self.attention = attention
         self.hooked = hooked
@@ -232,7 +236,7 @@ class PendingInputs:
         return mask, ids, positions, attention, hooked
 
     def clear(self) -> None:
-        self.mask = self.ids = self.positions = self.attention = self.query_length = None
+        self.mask = self.ids = self.positions = self.attention = self.query_length = self.next_keys = None
         self.hooked = False
 
 

@@ -87,6 +87,12 @@ class BlockSharing:
             "with reuse_prefix()); for a portable copy of the tensors, save cache.layers[i].keys / .values"
         )
 
+    def key_next_forward(self, key_ids: torch.Tensor) -> None:
+        """Key the blocks the next forward fills by `key_ids` ``[B, q]`` instead of its token ids: for a forward
+        whose rows read more than their tokens, ids that stand for all they read (an image's placeholders
+        replaced by ids from a digest of the image: `engine.media`). Pass the same ids to `reuse_prefix`."""
+        self.lifecycle.pending.next_keys = key_ids
+
     def reuse_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Fill this empty cache with the longest prefix of `input_ids` already cached in the pool.
 

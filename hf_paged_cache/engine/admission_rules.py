@@ -2,8 +2,9 @@
 
 Whether a request may start at all (`never_fits`), whether it should wait for a prefix another request is
 computing (`waits_for_prefix`), whether it fits now without reservation (`fits_with_headroom`; with
-reservation, `admission.pool_holds`), whether a running request can never grow (`fills_a_group`), and where a
-prompt chunk of a model with states ends (`snapshot_chunk_end`).
+reservation, `admission.pool_holds`), whether a running request can never grow (`fills_a_group`), where a
+prompt chunk of a model with states ends (`snapshot_chunk_end`), and which cached prefix a request starts from
+(`start_from_prefix`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..errors import PoolExhaustedError
 
 if TYPE_CHECKING:
     from ..cache.paged_cache import PagedCache
     from ..pool.kv_pool import KVPool
+    from .request import Request
 
 
 def blocks_needed(pool: KVPool, num_tokens: int) -> list[int]:
@@ -77,3 +81,16 @@ def snapshot_chunk_end(done: int, end: int, length: int, block_size: int) -> int
     if end < last and end // block_size * block_size > done:
         return end // block_size * block_size
     return end
+
+
+def start_from_prefix(cache: PagedCache, request: Request) -> int:
+    """Fill `request`'s empty `cache` with the longest prefix of its tokens the pool holds (keyed as its blocks
+    are: `Request.key_tokens`) and return its length; for a request with images, one that holds all of them or
+    none (`MediaInput.reusable`)."""
+    tokens = request.key_tokens
+    done = cache.reuse_prefix(torch.tensor([tokens]))
+    allowed = done if request.media is None else request.media.reusable(done)
+    if allowed < done:
+        cache.release()
+        done = cache.reuse_prefix(torch.tensor([tokens[: allowed + 1]])) if allowed else 0
+    return done

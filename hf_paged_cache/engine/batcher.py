@@ -32,9 +32,10 @@ from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
 from ..speculative.draft_model import DraftModel
 from ..speculative.speculator import DEFAULT_SPECULATIVE_TOKENS, SpeculationStats, Speculator
-from .encoder_inputs import EncoderInput, check_positions, encoder_input
+from .encoder_inputs import check_positions, encoder_input
 from .executor import StepExecutor
 from .inbox import Inbox
+from .media import media_input
 from .request import Request, RequestHandle
 from .roles import StepRoles
 from .scheduler import Scheduler
@@ -157,7 +158,10 @@ class ContinuousBatcher:
             pack_steps = False  # each row attends to its own encoder's output
         self.pool = running_cache.pool
         self.tokenizer = tokenizer
-        self.context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        text = model.config.get_text_config(decoder=True)
+        # the most positions a request's tokens take (an encoder-decoder model's decoder's: Whisper's 448)
+        self.context = getattr(text, "max_target_positions", None) or getattr(text, "max_position_embeddings", None)
+        self.decoder_prompt = _decoder_start(model) if encoder_decoder else None  # default decoder_input_ids
         self.vocab_size = model.get_input_embeddings().num_embeddings  # a prompt's ids are below it
         self.eos_token_ids = tuple(flat_token_ids(model.generation_config.eos_token_id))  # the model's own
         self._inbox = Inbox(None if max_waiting is None else as_count("max_waiting", max_waiting, 1))
@@ -213,7 +217,10 @@ class ContinuousBatcher:
 
         On an encoder-decoder model, as for its ``generate``: `input_ids` are the encoder's (T5, BART, Marian),
         or ``input_features=`` ``[mel bins, frames]`` (Whisper), and ``decoder_input_ids=`` is the decoder's
-        prompt (default: its start token); ``max_new_tokens`` counts the decoder's tokens.
+        prompt (default: its start token); ``max_new_tokens`` counts the decoder's tokens. On an image-text model,
+        ``multimodal_inputs=`` are its processor's outputs besides the ids (``pixel_values``, ...: the prompt
+        holds the processor's expanded image placeholders) and ``image_digests=`` optionally names each image
+        (say, a hash of its pixels), which keys the blocks that hold it (`engine.media`).
 
         `generation_kwargs` are `GenerationConfig` fields (``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``min_new_tokens``,
@@ -225,8 +232,8 @@ class ContinuousBatcher:
         ``assistant_model``, ``output_scores``, ...), `TypeError` an unknown one. `QueueFullError` past
         `max_waiting`, `BatcherClosed` once closed.
         """
-        prompt, encoder, generation_kwargs = self._inputs(input_ids, generation_kwargs)
-        request = self._request(prompt, generation_kwargs, encoder)
+        prompt, inputs, generation_kwargs = self._inputs(input_ids, generation_kwargs)
+        request = self._request(prompt, generation_kwargs, **inputs)
         self._enqueue(request)
         return request.handle
 
@@ -239,13 +246,13 @@ class ContinuousBatcher:
         a row of its own that shares the prompt's blocks (copy-on-write). Arguments as for `submit`; with
         ``seed=s``, choice ``i`` samples with seed ``s + i``. The group takes one place in ``max_waiting``.
         """
-        prompt, encoder, generation_kwargs = self._inputs(input_ids, generation_kwargs)
+        prompt, inputs, generation_kwargs = self._inputs(input_ids, generation_kwargs)
         count = as_count("n", n, 1)
         seed = generation_kwargs.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         requests = [
-            self._request(prompt, generation_kwargs if seed is None else {**generation_kwargs, "seed": seed + i}, encoder)
+            self._request(prompt, generation_kwargs if seed is None else {**generation_kwargs, "seed": seed + i}, **inputs)
             for i in range(count)
         ]
         requests[0].followers = requests[1:]
@@ -298,28 +305,29 @@ class ContinuousBatcher:
 
     def _inputs(
         self, input_ids: Sequence[int] | torch.Tensor | None, generation_kwargs: dict[str, Any]
-    ) -> tuple[list[int], EncoderInput | None, dict[str, Any]]:
-        """A submission's prompt, its encoder input (encoder-decoder models; see `submit`) and the rest of its
-        arguments."""
-        if not is_encoder_decoder(self.model.config):
-            return _token_list(input_ids), None, generation_kwargs
+    ) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        """A submission's prompt, its inputs besides tokens (``encoder=``, ``media=``: see `submit`) and the rest
+        of its arguments."""
         kwargs = dict(generation_kwargs)
+        if not is_encoder_decoder(self.model.config):
+            prompt = _token_list(input_ids)
+            pixels, digests = kwargs.pop("multimodal_inputs", None), kwargs.pop("image_digests", None)
+            media = None if pixels is None else media_input(self.model, prompt, pixels, digests)
+            return prompt, {"media": media}, kwargs
         encoder = encoder_input(self.model, input_ids, kwargs.pop("input_features", None))
         decoder_ids = kwargs.pop("decoder_input_ids", None)
         if decoder_ids is None:
-            start = self.model.generation_config.decoder_start_token_id
-            if start is None:
+            if self.decoder_prompt is None:
                 raise ValueError(f"{type(self.model).__name__} names no decoder_start_token_id: pass decoder_input_ids")
-            decoder_ids = flat_token_ids(start)[:1]
-        return _token_list(decoder_ids), encoder, kwargs
+            decoder_ids = list(self.decoder_prompt)
+        return _token_list(decoder_ids), {"encoder": encoder}, kwargs
 
-    def _request(
-        self, prompt: list[int], generation_kwargs: dict[str, Any], encoder: EncoderInput | None = None
-    ) -> Request:
-        """A checked request (`ValueError` / `TypeError` for a bad argument), not yet queued."""
+    def _request(self, prompt: list[int], generation_kwargs: dict[str, Any], **inputs: Any) -> Request:
+        """A checked request (`ValueError` / `TypeError` for a bad argument), not yet queued; `inputs`: its
+        ``encoder`` or ``media`` (`_inputs`)."""
         return Request(
             next(self._ids), prompt, self.model, generation_kwargs,
-            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake, encoder=encoder,
+            tokenizer=self.tokenizer, context=self.context, on_cancel=self._inbox.wake, **inputs,
         )
 
     def _enqueue(self, request: Request) -> None:
@@ -416,6 +424,15 @@ def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if not ids:
         raise ValueError("submit() needs a prompt of at least one token")
     return ids
+
+
+def _decoder_start(model: PreTrainedModel) -> tuple[int, ...] | None:
+    """An encoder-decoder model's decoder prompt when none is given: its ``decoder_start_token_id`` (None when it
+    names none)."""
+    start = model.generation_config.decoder_start_token_id
+    if start is None:
+        start = model.config.decoder_start_token_id
+    return None if start is None else tuple(flat_token_ids(start)[:1])
 
 
 def _states_kept_elsewhere(model: PreTrainedModel) -> list[int]:

@@ -48,10 +48,16 @@ class StepForwards:
         device = self.model.device
         if chunk.request.encoder is not None:
             return self._chunk_encoder_decoder(chunk)
+        media = {}
+        if chunk.reads_media:  # its images' tensors, and the ids that key its blocks (`engine.media`)
+            media = chunk.request.media.chunk_inputs(chunk.start, len(chunk.tokens))
+            end = chunk.start + len(chunk.tokens)
+            chunk.cache.key_next_forward(torch.tensor([chunk.request.key_tokens[chunk.start : end]], device=device))
         out = self.model(
             input_ids=torch.tensor([chunk.tokens], device=device),
             position_ids=torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=device).unsqueeze(0),
             cache=chunk.cache, use_cache=True, logits_to_keep=0 if chunk.request.needs_prompt_logprobs else 1,
+            **media,
         )
         return out.logits[0]
 

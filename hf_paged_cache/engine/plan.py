@@ -28,6 +28,11 @@ class Chunk:
     tokens: list[int]
 
     @property
+    def reads_media(self) -> bool:
+        """Whether the chunk's forward reads its request's images (it starts before their end)."""
+        return self.request.media is not None and self.start < self.request.media.end
+
+    @property
     def finishes(self) -> bool:
         """Whether this chunk completes the prompt (the step then picks the request's next token)."""
         return self.start + len(self.tokens) == len(self.request.tokens)

@@ -36,6 +36,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..errors import RequestCancelled
 from .constraints import Constraint
 from .encoder_inputs import EncoderInput
+from .media import MediaInput
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .validation import REQUEST_ARGUMENTS, check_request, flat_token_ids, generation_config_for
 
@@ -227,6 +228,7 @@ class Request:
         context: int | None = None,
         on_cancel: Callable[[], None] = lambda: None,
         encoder: EncoderInput | None = None,
+        media: MediaInput | None = None,
     ):
         kwargs = dict(generation_kwargs)
         extras = {name: kwargs.pop(name) for name in REQUEST_ARGUMENTS if name in kwargs}
@@ -240,6 +242,7 @@ class Request:
         self.id = request_id
         self.prompt = list(prompt)  # an encoder-decoder model's: the decoder's prompt
         self.encoder = encoder  # an encoder-decoder model's: what its encoder reads (`engine.encoder_inputs`)
+        self.media = media  # an image-text model's images (`engine.media`)
         self.config = config
         self.processors: LogitsProcessorList = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt), device=model.device,
@@ -301,6 +304,11 @@ class Request:
     def tokens(self) -> list[int]:
         """Prompt and generated tokens: what its cache must hold to compute the next token."""
         return self.prompt + self.generated
+
+    @property
+    def key_tokens(self) -> list[int]:
+        """`tokens` as its blocks are keyed by prefix: an image's placeholders stand for the image (`media`)."""
+        return self.tokens if self.media is None else [*self.media.key_ids, *self.generated]
 
     def pick(self, logits: torch.Tensor, after: Sequence[int] = ()) -> Choice:
         """Pick the next token from the last position's `logits` ``[V]``, and whether the request stops there.

@@ -4,7 +4,7 @@ The scheduler decides which requests run (`Scheduler.plan`); `StepRoles.plan` co
 role of each row:
 
 - **packed or apart**: the decode rows and prompt chunks run in one packed forward when the model can
-  (``paged_sdpa``, `pack_steps`), there are chunks, and more than one thing to pack;
+  (``paged_sdpa``, `pack_steps`), there are chunks, more than one thing to pack, and no chunk reads images;
 - **drafts**: the decode rows verify draft tokens when the `Speculator` expects that to pay (never beside
   prompt chunks unless the step is packed, since they must ride in one forward);
 - **constrained**: every row that picks a token under a `Constraint` (structured outputs), so that its mask is
@@ -40,6 +40,7 @@ class StepRoles:
         """The whole plan of a step of decode rows `running` (in `running_cache`'s row order) and `chunks`."""
         prompt_tokens = sum(len(chunk.tokens) for chunk in chunks)
         packed = self.pack_steps and bool(chunks) and (bool(running) or len(chunks) > 1)
+        packed = packed and not any(chunk.reads_media for chunk in chunks)  # pixels ride in a forward of their own
         drafts, drafting = None, 0.0
         if self.speculator is not None and running and (not chunks or packed):
             start = time.perf_counter()

@@ -55,6 +55,7 @@ from .admission_rules import (
     fits_with_headroom,
     never_fits,
     snapshot_chunk_end,
+    start_from_prefix,
     waits_for_prefix,
 )
 from .inbox import Inbox
@@ -74,10 +75,13 @@ class Prefill:
     done: int
 
     def next_chunk(self, budget: int, keeps_states: bool) -> Chunk:
-        """Its next prompt chunk, at most `budget` tokens; on a model with states (`keeps_states`) it ends where
-        `snapshot_chunk_end` says, so that its states are kept at the prompt's last block boundary."""
+        """Its next prompt chunk, at most `budget` tokens (the rest of the prompt when it reads images: see
+        `engine.media`); on a model with states (`keeps_states`) it ends where `snapshot_chunk_end` says, so
+        that its states are kept at the prompt's last block boundary."""
         end, tokens = self.done + budget, self.request.tokens
-        if keeps_states:
+        if self.request.media is not None and self.done < self.request.media.end:
+            end = len(tokens)  # the images are read in one forward, with every placeholder of theirs
+        elif keeps_states:
             end = snapshot_chunk_end(self.done, end, len(tokens), self.cache.pool.block_size)
         return Chunk(self.request, self.cache, self.done, tokens[self.done : end])
 
@@ -256,7 +260,7 @@ class Scheduler:
             self.waiting.popleft()
             self._left_queue(request)
             cache = self.running_cache.empty_like()
-            done = cache.reuse_prefix(torch.tensor([request.tokens])) if request.takes_cached_prefix else 0
+            done = start_from_prefix(cache, request) if request.takes_cached_prefix else 0
             self.outcomes.tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
         self.waiting.extendleft(reversed(waiting_for_prefix))
@@ -265,8 +269,8 @@ class Scheduler:
         """Whether `request` should wait for full blocks a prefilling request is computing (`waits_for_prefix`)."""
         if not request.takes_cached_prefix or self.running_cache.keeps_states:  # states: no prefix to wait for
             return False
-        prefilling = ((prefill.request.tokens, prefill.done) for prefill in self.prefilling)
-        return waits_for_prefix(request.tokens, prefilling, self.pool.block_size)
+        prefilling = ((prefill.request.key_tokens, prefill.done) for prefill in self.prefilling)
+        return waits_for_prefix(request.key_tokens, prefilling, self.pool.block_size)
 
     def _admissible(self, request: Request, needed: list[int]) -> bool:
         """Whether `request` may start now, beside the requests in flight, in every layer group.
