@@ -13,8 +13,8 @@ the forward. So a request that carries images:
 - starts from a cached prefix only where it covers all of its images or none of them: a prefix that ends inside
   the images would leave pixels for placeholders that are not computed (`MediaInput.reusable`).
 
-Models that place image tokens by 3-D positions (Qwen2-VL's M-RoPE) are refused: the batcher gives each token
-one position.
+Images for models that place image tokens by 3-D positions (Qwen2-VL's M-RoPE) are refused: the batcher gives
+each token one position.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def media_input(
     digests: Sequence[str] | None = None,
 ) -> MediaInput:
     """A checked `MediaInput` for `prompt` (ids in which the processor expanded each image's placeholders) and the
-    processor's other outputs `inputs`; `digests` names each image (default: one digest of all of `inputs`, each
-    image told apart by its place). `ValueError` names what does not fit."""
+    processor's other outputs `inputs`; `digests` names each image (default: one digest of all of `inputs`).
+    When the prompt's runs of placeholders are not one an image (images side by side, or no digests given),
+    each run is keyed by all the digests and its place. `ValueError` names what does not fit."""
     if _has_3d_positions(model):
-        raise NotImplementedError(f"{type(model).__name__} places image tokens by 3-D positions (M-RoPE), which the "
-                                  "continuous batcher does not compute")
+        raise ValueError(f"{type(model).__name__} places image tokens by 3-D positions (M-RoPE), which the "
+                         "continuous batcher does not compute: it takes no images")
     token = _image_token(model)
     spans = _runs(prompt, token)
     if not spans:
@@ -77,9 +78,10 @@ def media_input(
         digest = hashlib.sha256()
         for name in sorted(inputs):
             digest.update(name.encode() + inputs[name].detach().cpu().contiguous().numpy().tobytes())
-        digests = [f"{digest.hexdigest()}{index}" for index in range(len(spans))]
-    if len(digests) != len(spans):
-        raise ValueError(f"the prompt has {len(spans)} runs of image placeholders for {len(digests)} images")
+        digests = [digest.hexdigest()]
+    if len(digests) != len(spans):  # images side by side make one run (LLaVA's): each run keyed by them all
+        together = hashlib.sha256("/".join(digests).encode()).hexdigest()
+        digests = [f"{together}{index}" for index in range(len(spans))]
     vocab = model.get_input_embeddings().num_embeddings
     key = list(prompt)
     for (start, end), digest in zip(spans, digests):

@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-n", type=_positive, default=16, help="most choices per request (default: 16)")
     parser.add_argument("--max-body-bytes", type=_positive, default=4 * 1024 * 1024,
                         help="largest request body; larger get 413 (default: 4 MiB: raise it for long audio uploads)")
+    parser.add_argument("--max-images", type=_positive, default=8,
+                        help="most images a chat request may carry, on an image-text model (default: 8)")
+    parser.add_argument("--allow-image-urls", action="store_true",
+                        help="fetch http(s) image URLs of chat messages (default: off, data: URLs only; the server "
+                             "would fetch any address a client names)")
     parser.add_argument("--max-audio-seconds", type=_seconds, default=3600.0,
                         help="longest audio a speech model transcribes; longer gets 400 (default: 3600)")
     parser.add_argument("--max-schema-bytes", type=_positive, default=64 * 1024,
@@ -182,8 +187,23 @@ def load_engine(options: argparse.Namespace, chat_template: str | None, metrics:
     from .http.engine import EngineClient
 
     batcher, tokenizer = load_batcher(options)
+    processor = None
+    if hasattr(batcher.model.config, "vision_config"):
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(options.model, trust_remote_code=options.trust_remote_code)
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            chat_template = getattr(processor, "chat_template", None)  # the processor's renders image parts
     engine = EngineClient(batcher, tokenizer, max_model_len=options.max_model_len, chat_template=chat_template,
                           metrics=metrics)
+    if processor is not None:
+        from .http.images import ImageLimits
+        from .http.vision import ImagePrompts
+
+        limits = ImageLimits(max_images=options.max_images, allow_urls=options.allow_image_urls)
+        engine.images = ImagePrompts(processor, limits)
+        logger.info("reads images: at most %d a request, %s", limits.max_images,
+                    "data and http(s) URLs" if limits.allow_urls else "data URLs only (--allow-image-urls: http too)")
     logger.info("context: %d tokens per request (prompt and answer)", engine.max_model_len)
     if batcher.model.main_input_name == "input_features":  # a speech model: /v1/audio/transcriptions
         from transformers import AutoFeatureExtractor
@@ -234,8 +254,9 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
 
 def _answer_one_request(batcher: ContinuousBatcher, options: argparse.Namespace) -> None:
     """Run one request (a prompt of one token, two new tokens: a prefill and a decode step; a speech model's
-    encoder hears a window of silence) through `batcher` before the server says it is ready, so that a configuration this machine cannot run (a dtype its CPU's
-    kernels refuse, say) stops the server at start-up with its error instead of failing every request.
+    encoder hears a window of silence) through `batcher` before the server says it is ready, so that a
+    configuration this machine cannot run (a dtype its CPU's kernels refuse, say) stops the server at start-up
+    with its error instead of failing every request.
 
     Raises:
         RuntimeError: naming the model, dtype and device, from the request's own error (closing `batcher`).
@@ -333,6 +354,10 @@ def _load_model(options: argparse.Namespace, dtype: torch.dtype, name: str | Non
         from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 
         loader = AutoModelForSpeechSeq2Seq if hasattr(config, "num_mel_bins") else AutoModelForSeq2SeqLM
+    elif hasattr(config, "vision_config"):  # an image-text model: chat messages may carry images
+        from transformers import AutoModelForImageTextToText
+
+        loader = AutoModelForImageTextToText
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=options.trust_remote_code)
     model = loader.from_pretrained(name, dtype=dtype, trust_remote_code=options.trust_remote_code)
     return model.to(options.device).eval(), tokenizer

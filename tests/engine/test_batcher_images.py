@@ -80,7 +80,5 @@ def test_digests_name_the_images(llava):
         batcher.submit(ids, max_new_tokens=2, multimodal_inputs={"pixel_values": pixels(2)},
                        image_digests=["cat"]).result(60)
         assert batcher.stats().prefix_hit_tokens == 20
-        with pytest.raises(ValueError, match="1 runs of image placeholders for 2 images"):
-            batcher.submit(ids, multimodal_inputs={"pixel_values": pixels(1)}, image_digests=["a", "b"])
         with pytest.raises(ValueError, match="no image placeholder"):
             batcher.submit([5, 6, 7], multimodal_inputs={"pixel_values": pixels(1)})

@@ -5,7 +5,7 @@
 | ``GET /health`` | 200 once the model is loaded; 503 while it loads and once shutting down |
 | ``GET /v1/models``, ``GET /v1/models/{id}`` | the served model (404 for another name) |
 | ``POST /v1/completions`` | text completion of one or more prompts, ``n`` choices each, streamed or not |
-| ``POST /v1/chat/completions`` | the messages through the chat template, then as a completion |
+| ``POST /v1/chat/completions`` | the messages through the chat template (images: `vision`), then as a completion |
 | ``POST /v1/responses`` | OpenAI's Responses API (stateless), run as a chat completion |
 | ``POST /v1/audio/transcriptions`` | OpenAI's speech to text (a multipart upload) on a Whisper model (`speech`) |
 | ``POST /tokenize``, ``POST /detokenize`` | vLLM's: a prompt (or messages) to token ids, and back |
@@ -44,6 +44,7 @@ from .lifecycle import ServerLifecycle
 from .limits import BodyLimitMiddleware
 from .metrics import BatcherCollector, LabelledStats, ServerMetrics
 from .params import (
+    chat_inputs,
     chat_logprobs,
     chat_prompt,
     check_model,
@@ -174,8 +175,10 @@ def build_app(
         refuse_unsupported(body)
         logprobs = chat_logprobs(body)
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, settings.tool_call_parser)
-        prompt = chat_prompt(body.messages, engine, add_generation_prompt=body.add_generation_prompt,
-                             tools=body.tools if tools is not None else None)
+        prompt, images = await asyncio.to_thread(  # decoding images and the processor take a while
+            chat_inputs, body.messages, engine, add_generation_prompt=body.add_generation_prompt,
+            tools=body.tools if tools is not None else None,
+        )
         options = generation_options(
             body, [prompt], max_model_len=engine.max_model_len, max_n=settings.max_n,
             max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=logprobs, prompt_logprobs=None,
@@ -185,7 +188,7 @@ def build_app(
                                tool_grammar=tools.grammar if tools is not None else None)
         formatter = ChatFormatter(engine, model=settings.model_name, logprobs=logprobs,
                                   tokens_as_ids=body.return_tokens_as_token_ids, tools=tools)
-        return await _answer(request, body, _start(engine, [prompt], options, "messages"), formatter)
+        return await _answer(request, body, _start(engine, [prompt], options, "messages", [images]), formatter)
 
     @app.post("/v1/responses", responses={
         200: _answer_content(ResponseObject, chunk=ResponseEvent, done=False),
@@ -339,10 +342,12 @@ async def _constrained(
 
 def _start(
     engine: EngineClient, prompts: list[list[int]], options: GenerationOptions, prompt_param: str,
+    inputs: list[dict[str, Any]] | None = None,
 ) -> Generation:
-    """Submit the request's prompts; what the batcher refuses becomes an `APIError` naming the field if it can."""
+    """Submit the request's prompts (with their `inputs` besides tokens: `EngineClient.generate`); what the
+    batcher refuses becomes an `APIError` naming the field if it can."""
     try:
-        return engine.generate(prompts, options)
+        return engine.generate(prompts, options, inputs=inputs)
     except Exception as error:
         api_error = api_error_for(error)
         if isinstance(error, ValueError):

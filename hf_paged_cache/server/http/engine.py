@@ -5,9 +5,10 @@ It tokenizes prompts, renders chat templates, turns OpenAI's sampling settings i
 the `n` choices of each with `ContinuousBatcher.submit_group` (which prefills the prompt once). What comes back
 is a `Generation`: the choices' tokens as one async stream of text and log-probabilities.
 
-On an encoder-decoder model (`Submitter.decoder_prompt` set), a prompt is what the encoder reads and the decoder
-starts from its own prompt; a request whose encoder reads something else (Whisper's features: `transcription`)
-passes it as ``encoder_inputs``, its prompts then being the decoder's.
+A prompt may come with inputs besides its tokens (`generate`'s ``inputs``): an image model's pixels
+(`vision`). On an encoder-decoder model (`Submitter.decoder_prompt` set), a prompt is what the encoder reads
+and the decoder starts from its own prompt; a request whose encoder reads features (Whisper's:
+`transcription`) passes them as its inputs, its prompt then being the decoder's.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class EngineClient:
         self.vocab_size = batcher.vocab_size
         self.decoder_prompt = getattr(batcher, "decoder_prompt", None)
         self.transcriber: Any = None  # a speech model's `transcription.Transcriber` (set by the server)
+        self.images: Any = None  # an image-text model's `vision.ImagePrompts` (set by the server)
         self.chat_template = chat_template
         self.metrics = metrics
         # a request stops at the model's EOS ids and the tokenizer's (as vLLM does), unless it says ignore_eos
@@ -148,11 +150,11 @@ class EngineClient:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], options: GenerationOptions, *,
-        encoder_inputs: Sequence[dict[str, Any]] | None = None,
+        inputs: Sequence[dict[str, Any]] | None = None,
     ) -> Generation:
-        """Submit every prompt with its `options.n` choices; returns at once. With `encoder_inputs` (one
-        `ContinuousBatcher.submit` encoder argument a prompt, e.g. ``{"input_features": ...}``), the prompts are
-        the decoder's.
+        """Submit every prompt with its `options.n` choices; returns at once. `inputs`: each prompt's
+        `ContinuousBatcher.submit` arguments besides its tokens (``multimodal_inputs`` and ``image_digests``;
+        ``input_features``, with which the prompt is the decoder's).
 
         Raises what `submit` raises (`ValueError` for a value the batcher refuses, `QueueFullError`,
         `RuntimeError` once closed) after cancelling what it had submitted. Must be called on the event loop
@@ -161,13 +163,14 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         groups: list[list[RequestHandle]] = []
         submitted_at = time.perf_counter()
-        decoders = [self._decoder_prompt(prompt, encoder_inputs is not None) for prompt in prompts]
+        own = list(inputs) if inputs is not None else [{}] * len(prompts)
+        decoders = [self._decoder_prompt(prompt, "input_features" in extra) for prompt, extra in zip(prompts, own)]
         try:
-            for p, (prompt, decoder) in enumerate(zip(prompts, decoders)):
-                kwargs = self._submit_kwargs(len(decoder), options)
+            for prompt, decoder, extra in zip(prompts, decoders, own):
+                kwargs = {**self._submit_kwargs(len(decoder), options), **extra}
                 source = list(prompt)
-                if encoder_inputs is not None:
-                    source, kwargs = None, {**kwargs, **encoder_inputs[p], "decoder_input_ids": decoder}
+                if "input_features" in extra:  # the encoder reads features: the prompt is the decoder's
+                    source, kwargs["decoder_input_ids"] = None, decoder
                 if options.n == 1:
                     groups.append([self.batcher.submit(source, **kwargs)])
                 else:

@@ -168,17 +168,22 @@ def echo_texts(request: CompletionRequest, prompts: list[list[int]], engine: Eng
     return [engine.decode(ids) for ids in prompts]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text only (content parts of type "text" are joined)."""
+def chat_messages(messages: list[ChatMessage], image_urls: list[str] | None = None) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content parts of type "text" are joined. With `image_urls` (a
+    model that reads images), a message with ``image_url`` parts keeps its parts, each image as
+    ``{"type": "image"}``, and their URLs are appended to `image_urls` in order; without, they are refused."""
     plain = []
     for number, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
-            kinds = {part.type for part in content} - {"text"}
+            allowed = {"text", "image_url"} if image_urls is not None else {"text"}
+            kinds = {part.type for part in content} - allowed
             if kinds:
+                only = "text and image_url" if image_urls is not None else "text only: this model reads no images"
                 raise APIError(400, f"messages[{number}]: content of type {sorted(kinds)[0]!r} is not supported "
-                                    "(text only)", param="messages", code="unsupported_content")
-            content = "".join(part.text or "" for part in content)
+                                    f"({only})", param="messages", code="unsupported_content")
+            content = _with_images(number, content, image_urls) if image_urls is not None else "".join(
+                part.text or "" for part in content)
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
@@ -188,6 +193,24 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = message.tool_call_id
         plain.append(entry)
     return plain
+
+
+def _with_images(number: int, parts: list[Any], image_urls: list[str]) -> str | list[dict[str, str]]:
+    """A message's parts as the template takes them: its text alone when it has no image, else every part, each
+    image as ``{"type": "image"}`` (its URL appended to `image_urls`)."""
+    if all(part.type == "text" for part in parts):
+        return "".join(part.text or "" for part in parts)
+    out: list[dict[str, str]] = []
+    for part in parts:
+        if part.type == "text":
+            out.append({"type": "text", "text": part.text or ""})
+            continue
+        if part.image_url is None:
+            raise APIError(400, f"messages[{number}]: an image_url part needs its image_url.url", param="messages",
+                           code="invalid_value")
+        image_urls.append(part.image_url.url)
+        out.append({"type": "image"})
+    return out
 
 
 def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
@@ -206,15 +229,29 @@ def chat_prompt(messages: list[ChatMessage], engine: EngineClient, *, add_genera
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The chat's token ids: its messages (and `tools`, if any) through the chat template (with the assistant's
     turn opened)."""
+    ids, _ = chat_inputs(messages, engine, add_generation_prompt=add_generation_prompt, tools=tools, images=False)
+    return ids
+
+
+def chat_inputs(messages: list[ChatMessage], engine: EngineClient, *, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None, images: bool = True) -> tuple[list[int], dict[str, Any]]:
+    """`chat_prompt`, with the `submit` arguments of the messages' images (`vision.ImagePrompts`; none without
+    images). `images` False, or a model that reads none, refuses image parts."""
+    urls: list[str] | None = [] if images and engine.images is not None else None
     try:
-        text = engine.render_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+        text = engine.render_chat(chat_messages(messages, urls), add_generation_prompt=add_generation_prompt,
                                   tools=tools)
     except ValueError as error:
         raise APIError(400, str(error), param="messages", code="chat_template") from error
+    if urls:
+        try:
+            return engine.images.inputs(text, urls)
+        except ValueError as error:  # an image refused (ImageError), or the processor's own complaint
+            raise APIError(400, str(error), param="messages", code="invalid_image") from error
     ids = engine.encode(text, add_special_tokens=False)  # the template writes the special tokens it wants
     if not ids:
         raise APIError(400, "the chat template gave an empty prompt", param="messages", code="empty_prompt")
-    return ids
+    return ids, {}
 
 
 def generation_options(

@@ -103,9 +103,17 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None  # OpenAI's "low" / "high" / "auto": the processor decides the resolution here
+
+
 class TextPart(_Request):
+    """A content part: ``text``, or ``image_url`` (for a model that reads images)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Request):

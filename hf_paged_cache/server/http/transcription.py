@@ -89,7 +89,7 @@ class Transcriber:
         generation = self.engine.generate(
             [decoder] * len(features), GenerationOptions(max_tokens=self.engine.max_model_len - len(decoder),
                                                          temperature=temperature, logprobs=0),
-            encoder_inputs=[{"input_features": window} for window in features],
+            inputs=[{"input_features": window} for window in features],
         )
         results = await generation.results()
         segments = []
