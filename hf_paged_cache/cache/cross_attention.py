@@ -18,9 +18,8 @@ same one selection a step.) Blocks out of order are gathered for each read.
 A continuous batcher's running cache gathers rows from many requests (`add_rows_from`), whose encoder inputs
 may differ in length: each source keeps its own length, the dense read is as long as the longest (a shorter
 source's positions past its end read the null block's zeros) and `encoder_mask` says which positions are real.
-Built with ``keep_reads=True``, it keeps each layer's gathered read until its rows change, so that decode steps
-between a request joining and one leaving read in place (one more copy of the running rows' keys and values,
-as a dense cache would hold) instead of gathering every layer at every step.
+Built with ``keep_reads=True`` (a batcher's running cache), its reads are kept dense between steps and follow
+the rows as they join and leave by moving rows (`RunningReads`), instead of gathering every layer at every step.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import PoolExhaustedError
 from ..pool.kv_pool import KVPool
 from .layer_io import gather
+from .running_reads import RunningReads
 
 
 class CrossLayer(CacheLayerMixin):
@@ -84,18 +84,27 @@ class PagedCrossAttentionCache(Cache):
 
     def __init__(self, pool: KVPool, *, keep_reads: bool = False):
         self.pool = pool
-        self.keep_reads = keep_reads  # keep gathered reads until the rows change (a batcher's running cache)
         self.sources: list[list[int]] = []  # per distinct encoder row: its blocks (held once)
         self.lengths: list[int] = []  # per source: its encoder positions
+        self.tags: list[object] = []  # per source: an object that names it while it lives (`RunningReads`)
         self.rows: list[int] = []  # per row of the batch: the source it reads
         self.written: set[int] = set()  # layers whose keys and values are stored
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (layer, keys 0 / values 1) -> a view of the pool
-        self._reads: dict[tuple[int, int], torch.Tensor] = {}  # with keep_reads: the reads of the rows as they are
+        self._running = RunningReads() if keep_reads else None  # the rows' reads, kept between steps
         super().__init__(layers=[CrossLayer(self, i) for i in range(pool.layout.num_layers)])
 
     @property
     def batch_size(self) -> int:
         return len(self.rows)
+
+    @property
+    def keep_reads(self) -> bool:
+        """Whether reads are kept dense between steps, following the rows (`RunningReads`)."""
+        return self._running is not None
+
+    @keep_reads.setter
+    def keep_reads(self, keep: bool) -> None:
+        self._running = RunningReads() if keep else None
 
     @property
     def encoder_length(self) -> int:
@@ -134,7 +143,8 @@ class PagedCrossAttentionCache(Cache):
                 storage.write(slots, rows)
         self.written.add(layer_idx)
         self._views = {key: tensor for key, tensor in self._views.items() if key[0] != layer_idx}
-        self._reads = {key: tensor for key, tensor in self._reads.items() if key[0] != layer_idx}
+        if self._running is not None:
+            self._running.clear()  # the sources' keys and values were written again
         return key_states, value_states
 
     def _add_sources(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -159,6 +169,7 @@ class PagedCrossAttentionCache(Cache):
                                      self.pool.block_size, "cross attention")
         self.sources = [blocks[i * per_source : (i + 1) * per_source] for i in range(len(distinct))]
         self.rows, self.lengths = sources, [length] * len(distinct)
+        self.tags = [object() for _ in distinct]
 
     # ------------------------------------------------------------------ what attention reads
 
@@ -167,13 +178,18 @@ class PagedCrossAttentionCache(Cache):
         forward stored them."""
         if layer_idx not in self.written:
             return None
-        kept = self._reads.get((layer_idx, which))
-        if kept is not None:
-            return kept
-        read = self._read(layer_idx, which)
-        if self.keep_reads:
-            self._reads[(layer_idx, which)] = read
-        return read
+        if self._running is not None:
+            storage = self.pool.stored(layer_idx)[which]
+            return self._running.read(layer_idx, which, [self.tags[source] for source in self.rows],
+                                      self.encoder_length, lambda tag: self._fetch(storage, tag))
+        return self._read(layer_idx, which)
+
+    def _fetch(self, storage: Any, tag: object) -> torch.Tensor:
+        """``[heads, S_source, dim]`` the source named `tag`, gathered from `storage`."""
+        source = next(s for s, own in enumerate(self.tags) if own is tag)
+        slots = self._slots([source], storage.data.device)[: self.lengths[source]]
+        with self.pool.storage_lock.shared():
+            return gather(storage, slots, 1)[0]
 
     def _read(self, layer_idx: int, which: int) -> torch.Tensor:
         """`dense`'s read, made anew."""
@@ -231,13 +247,14 @@ class PagedCrossAttentionCache(Cache):
     def _keep(self, rows: list[int]) -> None:
         """Make `rows` (source per row) the rows; give back the sources no row reads any more."""
         if rows != self.rows:
-            self._views, self._reads = {}, {}
+            self._views = {}
         kept = sorted(set(rows))
         for source, blocks in enumerate(self.sources):
             if source not in kept:
                 self.pool.blocks.free(reversed(blocks))
         self.sources = [self.sources[s] for s in kept]
         self.lengths = [self.lengths[s] for s in kept]
+        self.tags = [self.tags[s] for s in kept]
         self.rows = [kept.index(s) for s in rows]
 
     def add_rows_from(self, other: PagedCrossAttentionCache) -> None:
@@ -248,11 +265,12 @@ class PagedCrossAttentionCache(Cache):
         offset = len(self.sources)
         self.sources += other.sources
         self.lengths += other.lengths
+        self.tags += other.tags
         self.rows += [offset + source for source in other.rows]
         self.written |= other.written
-        self._views, self._reads = {}, {}
-        other.sources, other.lengths, other.rows, other.written = [], [], [], set()
-        other._views, other._reads = {}, {}
+        self._views = {}
+        other.sources, other.lengths, other.tags, other.rows, other.written = [], [], [], [], set()
+        other._views = {}
 
     def fork(self) -> PagedCrossAttentionCache:
         """A new cache on the same pool with the same rows, sharing every source's blocks (no copy)."""
@@ -261,6 +279,7 @@ class PagedCrossAttentionCache(Cache):
             self.pool.blocks.incref(blocks)
         twin.sources = [list(blocks) for blocks in self.sources]
         twin.rows, twin.lengths, twin.written = list(self.rows), list(self.lengths), set(self.written)
+        twin.tags = list(self.tags)
         return twin
 
     def __deepcopy__(self, memo: dict) -> PagedCrossAttentionCache:
@@ -274,6 +293,8 @@ class PagedCrossAttentionCache(Cache):
         """Give every source back and forget the rows."""
         self._keep([])
         self.written = set()
+        if self._running is not None:
+            self._running.clear()
 
     release = reset
 

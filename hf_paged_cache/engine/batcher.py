@@ -154,7 +154,7 @@ class ContinuousBatcher:
             kv_dtype=kv_dtype, max_sequences=sequences,
         )
         if encoder_decoder:
-            running_cache.cross_attention_cache.keep_reads = True  # decode steps read one copy until rows change
+            running_cache.cross_attention_cache.keep_reads = True  # dense between steps, following the rows
             pack_steps = False  # each row attends to its own encoder's output
         self.pool = running_cache.pool
         self.tokenizer = tokenizer

@@ -73,8 +73,7 @@ class StepForwards:
         device = self.model.device
         out = self.model(
             decoder_input_ids=torch.tensor([chunk.tokens], device=device),
-            encoder_outputs=BaseModelOutput(last_hidden_state=encoder.hidden),
-            attention_mask=torch.ones(encoder.hidden.shape[:2], dtype=torch.long, device=device),
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder.hidden),  # its own positions: no mask
             cache=chunk.cache, use_cache=True,
         )
         if chunk.finishes:
@@ -87,9 +86,10 @@ class StepForwards:
     ) -> torch.Tensor:
         """`decode` on an encoder-decoder model's running rows, whose cross-attention reads the cache alone."""
         encoder_mask = cache.encoder_mask(input_ids.device)  # [B, S]
+        ragged = None if bool(encoder_mask.all()) else encoder_mask  # no mask when none: the fastest kernel
         with row_positions(self.model, positions) as position_arguments:
             out = self.model(
-                decoder_input_ids=input_ids, decoder_attention_mask=mask, attention_mask=encoder_mask,
+                decoder_input_ids=input_ids, decoder_attention_mask=mask, attention_mask=ragged,
                 encoder_outputs=encoder_stand_in(self.model, encoder_mask), cache=cache, use_cache=True,
                 **position_arguments,
             )

@@ -162,3 +162,43 @@ def test_a_budget_holds_both_pools_and_exhaustion_changes_nothing():
         cache.reset()
         inputs = encoder_inputs("whisper", [0] * 3)
         assert_same(generate(model, inputs, **MODES["greedy"]), generate(model, inputs, cache, **MODES["greedy"]))
+
+
+def test_a_running_caches_reads_follow_rows_that_join_and_leave():
+    """A batcher's running cache keeps its cross-attention reads dense between steps (``keep_reads``) and moves
+    rows as they join and leave: every read equals a fresh gather of the same rows on their own positions."""
+    model = tiny_seq2seq("bart")
+    running = PagedCache(model)
+    cross = running.cross_attention_cache
+    cross.keep_reads = True
+
+    def join(length: int) -> None:
+        request = running.empty_like()
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 3 + length)[None], decoder_input_ids=torch.tensor([[2]]), cache=request,
+                  use_cache=True)
+        running.add_rows_from(request)
+
+    def assert_reads_are_the_rows() -> None:
+        fresh = cross.fork()
+        fresh.keep_reads = False
+        for layer in range(cross.pool.layout.num_layers):
+            for which in (0, 1):
+                kept, gathered = cross.dense(layer, which), fresh.dense(layer, which)  # [B, heads, S, dim]
+                assert kept.shape == gathered.shape
+                for row, source in enumerate(cross.rows):
+                    own = cross.lengths[source]
+                    assert torch.equal(kept[row, :, :own], gathered[row, :, :own])
+        fresh.release()
+
+    for length in (3, 11, 7, 5):
+        join(length)
+    assert_reads_are_the_rows()
+    running.batch_select_indices(torch.tensor([0, 2, 3]))  # the 11-position row leaves: the rows after it move up
+    assert_reads_are_the_rows()
+    join(13)  # longer than any: the reads are made anew
+    assert_reads_are_the_rows()
+    running.batch_select_indices(torch.tensor([3, 0, 1]))  # another order
+    assert_reads_are_the_rows()
+    running.release()
+    assert cross.pool.blocks.num_used == 0
