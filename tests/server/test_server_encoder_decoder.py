@@ -7,19 +7,19 @@ each answer checked against ``generate`` on the same inputs; bad audio and reque
 from __future__ import annotations
 
 import io
-import math
 import os
-import struct
 import subprocess
 import sys
+import time
 import wave
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from encoder_decoder_models import tiny_seq2seq
 from json_tokenizer import save_json_tokenizer
-from server_process import KEY, NAME, free_port, run_servers
+from server_process import KEY, NAME, free_port, metric, metrics_text, run_servers
 from transformers import (
     AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer, GenerationMixin, WhisperFeatureExtractor,
 )
@@ -59,14 +59,14 @@ def save_whisper(path):
 
 def wav(seconds: float, frequency: float = 220.0) -> bytes:
     """A mono 16-bit WAV at 16 kHz: a tone sweeping up from `frequency`."""
-    samples = [int(12000 * math.sin(2 * math.pi * frequency * t / RATE * (1 + t / RATE)))
-               for t in range(int(seconds * RATE))]
+    t = np.arange(int(seconds * RATE))
+    samples = (12000 * np.sin(2 * np.pi * frequency * t / RATE * (1 + t / RATE))).astype("<i2")
     out = io.BytesIO()
     with wave.open(out, "wb") as file:
         file.setnchannels(1)
         file.setsampwidth(2)
         file.setframerate(RATE)
-        file.writeframes(struct.pack(f"<{len(samples)}h", *samples))
+        file.writeframes(samples.tobytes())
     return out.getvalue()
 
 
@@ -232,6 +232,23 @@ def test_bad_uploads_get_a_400_naming_the_problem(whisper, files, form, param, w
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in error["message"] and error["param"] == param
+
+
+def test_a_client_that_goes_away_cancels_its_windows(whisper):
+    server, *_ = whisper
+    cancelled = metric(metrics_text(server), "hf_paged_cache_requests_total", 'finish_reason="cancelled"')
+    with pytest.raises(httpx.TimeoutException):  # 120 windows of 1 s: the client gives up first
+        httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": NAME, "language": "en"},
+                   files={"file": ("long.wav", wav(120), "audio/wav")}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=1.0)
+    deadline = time.monotonic() + 60
+    while True:
+        text = metrics_text(server)
+        gone = metric(text, "hf_paged_cache_requests_total", 'finish_reason="cancelled"') > cancelled
+        if (gone and metric(text, "hf_paged_cache_requests_running") == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert gone and metric(text, "hf_paged_cache_requests_running") == 0
 
 
 def test_text_completions_are_refused_on_a_speech_model(whisper):

@@ -37,9 +37,10 @@ from ...structured import GrammarError, GrammarSpec
 from .auth import ApiKeyMiddleware
 from .chat import ChatFormatter
 from .completions import CompletionFormatter
+from .disconnects import results_unless_disconnected
 from .engine import EngineClient, GenerationOptions
 from .errors import APIError, api_error_for, error_response, install_error_handlers, log_if_server_error
-from .generation import ChoiceResult, Generation
+from .generation import Generation
 from .lifecycle import ServerLifecycle
 from .limits import BodyLimitMiddleware
 from .metrics import BatcherCollector, LabelledStats, ServerMetrics
@@ -215,7 +216,7 @@ def build_app(
         formatter = ResponsesFormatter(body, model=settings.model_name, tools=tools)
         if body.stream:
             return _event_stream(formatter.events(generation), generation, named=True)
-        results = await _results_unless_disconnected(request, generation)
+        results = await results_unless_disconnected(request, generation)
         if results is None:
             return Response(status_code=499)
         return Response(formatter.response(generation, results[0]).model_dump_json(), media_type="application/json")
@@ -362,36 +363,10 @@ async def _answer(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _event_stream(formatter.chunks(generation, include_usage), generation)
-    results = await _results_unless_disconnected(request, generation)
+    results = await results_unless_disconnected(request, generation)
     if results is None:
         return Response(status_code=499)  # the client went away: nobody reads this
     return Response(formatter.response(generation, results).model_dump_json(), media_type="application/json")
-
-
-async def _results_unless_disconnected(request: Request, generation: Generation) -> list[ChoiceResult] | None:
-    """Every choice whole, or None if the client disconnects first (its requests are then cancelled)."""
-    results = asyncio.ensure_future(generation.results())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        generation.cancel()  # nothing for choices that finished; frees the rest
-        if not results.done():
-            results.cancel()
-    if results not in done:
-        logger.info("client went away: request cancelled")
-        return None
-    try:
-        return results.result()
-    except Exception as error:
-        raise api_error_for(error) from error
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client has gone away (the body was read, so the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _event_stream(chunks: AsyncIterator[BaseModel], generation: Generation, named: bool = False) -> EventSourceResponse:

@@ -4,16 +4,17 @@ The form's fields are OpenAI's: ``file`` (any audio FFmpeg decodes), ``model``, 
 ``en``; detected when absent), ``prompt`` (earlier text, to steer spelling), ``response_format`` (``json``,
 ``text``, ``verbose_json`` with one segment per 30 s window, ``srt``, ``vtt``) and ``temperature`` (0: greedy).
 `transcription.Transcriber` does the work; audio it cannot take, and a model that does not transcribe, get a
-400 naming the problem.
+400 naming the problem. A client that goes away cancels the windows still running.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, File, Form, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from .disconnects import results_unless_disconnected
 from .errors import APIError, api_error_for
 from .lifecycle import ServerLifecycle
 from .params import check_model
@@ -31,7 +32,7 @@ def add_speech_routes(app: FastAPI, lifecycle: ServerLifecycle, settings: Server
         200: {"content": {"application/json": {}, "text/plain": {}}}, **errors,
     })
     async def create_transcription(
-        file: UploadFile = File(...), model: str = Form(...), language: str | None = Form(None),
+        request: Request, file: UploadFile = File(...), model: str = Form(...), language: str | None = Form(None),
         prompt: str | None = Form(None), response_format: str = Form("json"), temperature: float = Form(0.0),
         stream: bool = Form(False),
     ) -> Response:
@@ -50,14 +51,17 @@ def add_speech_routes(app: FastAPI, lifecycle: ServerLifecycle, settings: Server
             raise APIError(400, "streamed transcriptions are not supported", param="stream", code="invalid_value")
         data = await file.read()
         try:
-            result = await transcriber.transcribe(data, language=language or None, prompt=prompt,
-                                                  temperature=temperature)
+            pending = await transcriber.start(data, language=language or None, prompt=prompt,
+                                              temperature=temperature)
         except ValueError as error:  # the audio (AudioError), the language
             param = "language" if str(error).startswith("language") else "file"
             raise APIError(400, str(error), param=param, code="invalid_value") from error
         except Exception as error:  # a full queue (429), shutting down (503), a bug (500)
             raise api_error_for(error) from error
-        return _formatted(result, response_format)
+        results = await results_unless_disconnected(request, pending.generation)
+        if results is None:
+            return Response(status_code=499)  # the client went away: its windows were cancelled
+        return _formatted(transcriber.transcription(pending, results), response_format)
 
 
 def _formatted(result: Transcription, response_format: str) -> Response:

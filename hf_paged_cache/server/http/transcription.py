@@ -25,6 +25,7 @@ from transformers import LogitsProcessor
 
 from .audio import AudioError, decode_audio, windows
 from .engine import EngineClient, GenerationOptions
+from .generation import ChoiceResult, Generation
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,16 @@ class Segment:
     temperature: float
     avg_logprob: float
     compression_ratio: float  # the text's length over its zlib-compressed length (repetition shows as > 2.4)
+
+
+@dataclass(frozen=True)
+class PendingTranscription:
+    """A transcription whose windows run: their `generation`, and what its text will say of them."""
+
+    generation: Generation
+    windows: list[float]  # each window's seconds of audio
+    language: str | None
+    temperature: float
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class Transcriber:
         self.rate = int(feature_extractor.sampling_rate)
         self.window_seconds = float(feature_extractor.chunk_length)
         self.max_seconds = max_seconds
-        self.start = _token(generation_config, "decoder_start_token_id")
+        self.start_of_transcript = _token(generation_config, "decoder_start_token_id")
         self.no_timestamps = _token(generation_config, "no_timestamps_token_id")
         self.previous = getattr(generation_config, "prev_sot_token_id", None)
         self.tasks: dict[str, int] = dict(getattr(generation_config, "task_to_id", None) or {})
@@ -74,10 +85,11 @@ class Transcriber:
         named = getattr(generation_config, "lang_to_id", None) or {}
         self.languages: dict[str, int] = {name.strip("<|>"): id_ for name, id_ in named.items()}
 
-    async def transcribe(self, data: bytes, *, language: str | None, prompt: str | None, temperature: float,
-                         task: str = "transcribe") -> Transcription:
-        """The text of the audio file `data` (`AudioError`, a `ValueError`, for a file it cannot take, and for
-        a language or task the model does not know)."""
+    async def start(self, data: bytes, *, language: str | None, prompt: str | None, temperature: float,
+                    task: str = "transcribe") -> PendingTranscription:
+        """Decode the audio file `data` and submit its windows (`AudioError`, a `ValueError`, for a file it
+        cannot take, and for a language or task the model does not know); `transcription` then reads the
+        results of its `generation`."""
         if language is not None and self.languages and language not in self.languages:
             raise ValueError(f"language {language!r} is not one of this model's: {', '.join(sorted(self.languages))}")
         samples = await asyncio.to_thread(decode_audio, data, self.rate, max_seconds=self.max_seconds)
@@ -91,21 +103,25 @@ class Transcriber:
                                                          temperature=temperature, logprobs=0),
             inputs=[{"input_features": window} for window in features],
         )
-        results = await generation.results()
+        lengths = [len(part) / self.rate for part in parts]
+        return PendingTranscription(generation, lengths, language, temperature)
+
+    def transcription(self, pending: PendingTranscription, results: list[ChoiceResult]) -> Transcription:
+        """The text of a transcription whose windows gave `results`, in order."""
         segments = []
-        for index, (part, result) in enumerate(zip(parts, results)):
+        for index, (seconds, result) in enumerate(zip(pending.windows, results)):
             start = index * self.window_seconds
             text = result.text.strip()
             logprobs = [token.logprob for token in result.logprobs]
             encoded = text.encode()
             segments.append(Segment(
-                id=index, seek=round(start * 100), start=start, end=start + len(part) / self.rate, text=text,
-                tokens=result.tokens, temperature=temperature,
+                id=index, seek=round(start * 100), start=start, end=start + seconds, text=text,
+                tokens=result.tokens, temperature=pending.temperature,
                 avg_logprob=sum(logprobs) / len(logprobs) if logprobs else 0.0,
                 compression_ratio=len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
             ))
         text = " ".join(segment.text for segment in segments if segment.text)
-        return Transcription(text, language, len(samples) / self.rate, segments)
+        return Transcription(text, pending.language, sum(pending.windows), segments)
 
     def _features(self, samples: Any) -> torch.Tensor:
         """``[mel bins, frames]`` a window's log-mel features (padded to the window's length, as Whisper's)."""
@@ -117,7 +133,7 @@ class Transcriber:
         tokens = []
         if prompt and self.previous is not None:  # earlier text, to steer spelling and style
             tokens = [self.previous, *self.engine.encode(" " + prompt.strip(), add_special_tokens=False)]
-        tokens.append(self.start)
+        tokens.append(self.start_of_transcript)
         if language is not None and self.languages:
             tokens.append(self.languages[language])
         if self.tasks:
@@ -132,8 +148,8 @@ class Transcriber:
         """The most likely language token after ``<|startoftranscript|>`` on `features`, as its code."""
         ids = {id_: code for code, id_ in self.languages.items()}
         handle = self.engine.batcher.submit(
-            None, input_features=features, decoder_input_ids=[self.start], max_new_tokens=1, do_sample=False,
-            logits_processor=[_OnlyTokens(list(ids))],
+            None, input_features=features, decoder_input_ids=[self.start_of_transcript], max_new_tokens=1,
+            do_sample=False, logits_processor=[_OnlyTokens(list(ids))],
         )
         (token,) = await asyncio.to_thread(handle.result)
         return ids[token]
@@ -156,4 +172,4 @@ def _token(config: Any, name: str) -> int | None:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-__all__ = ["AudioError", "Segment", "Transcriber", "Transcription"]
+__all__ = ["AudioError", "PendingTranscription", "Segment", "Transcriber", "Transcription"]
