@@ -8,6 +8,7 @@
 - `variants`: the caches the scripts compare and the attention each runs with;
 - `report`: shared command-line options, model loading, JSON and markdown output;
 - `narrow`: a model's architecture with its widths cut, to time a step's fixed cost;
+- `whisper`: a Whisper model of a real model's dimensions with random weights (the transcription benchmarks);
 - `server_process`: a benchmarked server in a process of its own (free port, wait for ``/health``, stop its group);
 - the parts of ``scripts/bench/serving/bench_http.py``: `http_contenders` (the contenders, each server's command
   and environment), `http_jobs` (the workloads' requests, the KV budget they need), `http_load` (request bodies,

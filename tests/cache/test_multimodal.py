@@ -4,7 +4,7 @@ blocks by prefix."""
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from vision_models import tiny_llava
 
 from hf_paged_cache import PagedCache
 
@@ -14,14 +14,7 @@ GREEDY = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, o
 
 @pytest.fixture(scope="module")
 def llava():
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=32, patch_size=8, projection_dim=32)
-    text = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
-                         vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=16)
-    torch.manual_seed(0)
-    return LlavaForConditionalGeneration(config).eval()
+    return tiny_llava(IMAGE_TOKEN)
 
 
 def prompt(rows: int) -> torch.Tensor:

@@ -14,10 +14,8 @@ import torch
 from json_tokenizer import save_json_tokenizer
 from PIL import Image
 from server_process import KEY, NAME, metric, metrics_text, run_server
-from transformers import (
-    AutoProcessor, AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-    LlavaForConditionalGeneration, LlavaProcessor,
-)
+from transformers import AutoProcessor, AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+from vision_models import tiny_llava
 
 from hf_paged_cache.kernels import pack_linears
 
@@ -38,14 +36,7 @@ def save_llava(path):
     LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
                    vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
                    chat_template=TEMPLATE).save_pretrained(path)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=32, patch_size=8, projection_dim=32)
-    text = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=96,
-                         vision_feature_select_strategy="default", vision_feature_layer=-1, image_seq_length=16)
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
+    model = tiny_llava(image_token=96, max_positions=512)  # the tokenizer's <image>
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
     return path

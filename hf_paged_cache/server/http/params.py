@@ -179,7 +179,7 @@ def chat_messages(messages: list[ChatMessage], image_urls: list[str] | None = No
             allowed = {"text", "image_url"} if image_urls is not None else {"text"}
             kinds = {part.type for part in content} - allowed
             if kinds:
-                only = "text and image_url" if image_urls is not None else "text only: this model reads no images"
+                only = "text and image_url" if image_urls is not None else "text only"
                 raise APIError(400, f"messages[{number}]: content of type {sorted(kinds)[0]!r} is not supported "
                                     f"({only})", param="messages", code="unsupported_content")
             content = _with_images(number, content, image_urls) if image_urls is not None else "".join(

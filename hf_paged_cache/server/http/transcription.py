@@ -92,9 +92,7 @@ class Transcriber:
         results of its `generation`."""
         if language is not None and self.languages and language not in self.languages:
             raise ValueError(f"language {language!r} is not one of this model's: {', '.join(sorted(self.languages))}")
-        samples = await asyncio.to_thread(decode_audio, data, self.rate, max_seconds=self.max_seconds)
-        parts = windows(samples, self.rate, self.window_seconds)
-        features = [self._features(part) for part in parts]
+        seconds, features = await asyncio.to_thread(self._windows, data)  # decoding takes a while: off the loop
         if language is None and self.languages:
             language = await self._detect_language(features[0])
         decoder = self._decoder_prompt(language, task, prompt)
@@ -103,8 +101,7 @@ class Transcriber:
                                                          temperature=temperature, logprobs=0),
             inputs=[{"input_features": window} for window in features],
         )
-        lengths = [len(part) / self.rate for part in parts]
-        return PendingTranscription(generation, lengths, language, temperature)
+        return PendingTranscription(generation, seconds, language, temperature)
 
     def transcription(self, pending: PendingTranscription, results: list[ChoiceResult]) -> Transcription:
         """The text of a transcription whose windows gave `results`, in order."""
@@ -123,10 +120,14 @@ class Transcriber:
         text = " ".join(segment.text for segment in segments if segment.text)
         return Transcription(text, pending.language, sum(pending.windows), segments)
 
-    def _features(self, samples: Any) -> torch.Tensor:
-        """``[mel bins, frames]`` a window's log-mel features (padded to the window's length, as Whisper's)."""
-        out = self.features(samples, sampling_rate=self.rate, return_tensors="pt")
-        return out.input_features[0]
+    def _windows(self, data: bytes) -> tuple[list[float], list[torch.Tensor]]:
+        """The audio file `data`'s windows: each one's seconds, and its ``[mel bins, frames]`` log-mel features
+        (padded to the window's length, as Whisper's)."""
+        samples = decode_audio(data, self.rate, max_seconds=self.max_seconds)
+        parts = windows(samples, self.rate, self.window_seconds)
+        extract = self.features
+        features = [extract(part, sampling_rate=self.rate, return_tensors="pt").input_features[0] for part in parts]
+        return [len(part) / self.rate for part in parts], features
 
     def _decoder_prompt(self, language: str | None, task: str, prompt: str | None) -> list[int]:
         """Whisper's task prefix (see the module docstring); `ValueError` for a task the model does not know."""

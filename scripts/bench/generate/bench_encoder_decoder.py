@@ -26,33 +26,15 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoConfig,
     DynamicCache,
     EncoderDecoderCache,
     LogitsProcessor,
     LogitsProcessorList,
-    WhisperForConditionalGeneration,
 )
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import cache_tensor_bytes, write_json
-
-PRESETS = {  # from openai/whisper-tiny's and openai/whisper-base's config.json
-    "tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
-                 encoder_ffn_dim=1536, decoder_ffn_dim=1536),
-    "base": dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
-                 encoder_ffn_dim=2048, decoder_ffn_dim=2048),
-}
-
-
-def whisper(preset: str) -> WhisperForConditionalGeneration:
-    config = AutoConfig.for_model(
-        "whisper", vocab_size=51865, num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
-        pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, decoder_start_token_id=50258,
-        begin_suppress_tokens=None, suppress_tokens=None, **PRESETS[preset],
-    )
-    torch.manual_seed(0)
-    return WhisperForConditionalGeneration(config).eval()
+from hf_paged_cache.bench.whisper import PRESETS, random_whisper
 
 
 def paged_bytes(cache) -> int:
@@ -104,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
     args = parser.parse_args(argv)
 
-    model = whisper(args.preset)
+    model = random_whisper(args.preset)
     features = torch.randn(args.clips, 80, 3000, generator=torch.Generator().manual_seed(1))
     result = {"preset": args.preset, "clips": args.clips, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "modes": {}}

@@ -4,7 +4,8 @@ and against one `generate` batch.
 A Whisper model of ``--preset`` dimensions with random weights (time depends on the shapes, not the weights)
 transcribes ``--clips`` clips of random log-mel features (30 s windows: 3,000 frames, 1,500 encoder positions).
 Transcripts differ in length, as real ones do: clip ``i`` says ``lengths[i]`` tokens (drawn from
-``--min-tokens`` to ``--max-tokens``) and then its end (EOS), which a random model never says by itself, so:
+``--min-tokens`` to ``--max-tokens``) and then its end (EOS), which a random model does not say by itself (if
+it did, every mode would stop there alike), so:
 
 - **loop**: one ``generate`` call a clip (``max_new_tokens=lengths[i]``): the encoder and every decoder step
   run for one clip at a time;
@@ -31,29 +32,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, LogitsProcessor, LogitsProcessorList, WhisperForConditionalGeneration
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_paged_cache import ContinuousBatcher
 from hf_paged_cache.bench import write_json
+from hf_paged_cache.bench.whisper import EOS, PRESETS, random_whisper
 
-PRESETS = {  # from openai/whisper-tiny's and openai/whisper-base's config.json
-    "tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
-                 encoder_ffn_dim=1536, decoder_ffn_dim=1536),
-    "base": dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
-                 encoder_ffn_dim=2048, decoder_ffn_dim=2048),
-}
-EOS, START = 50257, 50258
 MODES = ("loop", "batch", "batcher")
-
-
-def whisper(preset: str) -> WhisperForConditionalGeneration:
-    config = AutoConfig.for_model(
-        "whisper", vocab_size=51865, num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
-        pad_token_id=EOS, bos_token_id=EOS, eos_token_id=EOS, decoder_start_token_id=START,
-        begin_suppress_tokens=None, suppress_tokens=None, **PRESETS[preset],
-    )
-    torch.manual_seed(0)
-    return WhisperForConditionalGeneration(config).eval()
 
 
 class EndAt(LogitsProcessor):
@@ -73,8 +58,7 @@ class EndAt(LogitsProcessor):
 def loop(model, features: torch.Tensor, lengths: list[int]) -> list[list[int]]:
     out = []
     for clip, length in zip(features, lengths):
-        tokens = model.generate(input_features=clip[None], max_new_tokens=length, min_new_tokens=length,
-                                do_sample=False)
+        tokens = model.generate(input_features=clip[None], max_new_tokens=length, do_sample=False)
         out.append(tokens[0, -length:].tolist())
     return out
 
@@ -87,7 +71,7 @@ def batch(model, features: torch.Tensor, lengths: list[int]) -> list[list[int]]:
 
 def batcher(model, features: torch.Tensor, lengths: list[int]) -> list[list[int]]:
     with ContinuousBatcher(model, max_running=len(lengths)) as engine:
-        handles = [engine.submit(input_features=clip, max_new_tokens=length, min_new_tokens=length, do_sample=False)
+        handles = [engine.submit(input_features=clip, max_new_tokens=length, do_sample=False)
                    for clip, length in zip(features, lengths)]
         return [handle.result() for handle in handles]
 
@@ -102,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
     args = parser.parse_args(argv)
 
-    model = whisper(args.preset)
+    model = random_whisper(args.preset)
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(args.clips, 80, 3000, generator=generator)
     lengths = torch.randint(args.min_tokens, args.max_tokens + 1, (args.clips,), generator=generator).tolist()
