@@ -2,12 +2,14 @@
 say which of them this CPU runs."""
 
 from .cpu_capability import CpuCapability, cpu_capability
+from .int8_linear import Int8Linear, quantize_weights
 from .linear_timing import PackedShape, pack_timed, time_linear_shapes
 from .mkl_dispatch import mkl_takes_fast_path
 from .packed_linear import PackedLinear, Probe, pack_linears, packed_linears_supported, packing_probe
 
 __all__ = [
     "CpuCapability",
+    "Int8Linear",
     "PackedLinear",
     "PackedShape",
     "Probe",
@@ -17,5 +19,6 @@ __all__ = [
     "pack_timed",
     "packed_linears_supported",
     "packing_probe",
+    "quantize_weights",
     "time_linear_shapes",
 ]

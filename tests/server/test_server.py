@@ -34,6 +34,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="the server needs its extra: pip install -e '.[serve]'")
 
 from hf_paged_cache import ContinuousBatcher, PagedCache  # noqa: E402
+from hf_paged_cache.kernels import quantize_weights  # noqa: E402
 from hf_paged_cache.server.http.engine import EngineClient, GenerationOptions  # noqa: E402
 from hf_paged_cache.server.http.penalties import PresenceFrequencyPenalty  # noqa: E402
 from hf_paged_cache.server.http.stop_strings import StopStringMatcher  # noqa: E402
@@ -294,9 +295,12 @@ def test_flex_decode_flag_compiles_before_serving_and_answers_as_generate(model_
     assert answers == [generate_alone(model, p, 12) for p in prompts]
 
 
-def test_int8_keys_and_values_on_request_equal_generate_with_an_int8_cache(tiny_servers, reference):
-    """``--kv-dtype int8`` serves from an int8 pool: greedy answers equal `generate` with an int8 `PagedCache`."""
-    model, tokenizer = reference
+def test_int8_weights_keys_and_values_on_request_equal_generate_on_them(tiny_servers, reference, model_dir):
+    """``--kv-dtype int8 --quantize int8`` serves int8 weights from an int8 pool: greedy answers equal `generate`
+    on the same model quantized by `quantize_weights`, with an int8 `PagedCache`."""
+    _, tokenizer = reference
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    quantize_weights(model)
     prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
     expected = []
     for ids in prompts:
