@@ -33,6 +33,7 @@ from hf_paged_cache.eval.perplexity import (
     score_windows,
     strided_windows,
 )
+from hf_paged_cache.kernels import quantize_weights
 from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
 
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, default=1,
         help="rounds over the caches (alternated: A, B, A, B, ...); times are medians (default: 1)",
     )
+    parser.add_argument("--quantize", choices=["int8", "int8-all"], default=None,
+                        help="weight-only int8 linear layers (hf_paged_cache.kernels.quantize_weights): all but the "
+                             "output head, or int8-all (default: off)")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
@@ -121,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     chunk_size = args.chunk_size or None
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
+    if args.quantize:
+        quantize_weights(model, output_head=args.quantize == "int8-all")
     own_attention = model.config._attn_implementation
     corpus = load_corpus_text(args.corpus, split=args.split)
     ids = encode_corpus(tokenizer, corpus.text, args.max_tokens)  # [N]
@@ -160,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "model": args.model or "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "quantize": args.quantize,
         "model_path": getattr(model, "name_or_path", None),
         "corpus": {"name": corpus.name, "source": corpus.source, "tokens": int(ids.numel())},
         "settings": {
