@@ -17,6 +17,7 @@ mask, since the rows' encoder inputs may differ in length.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, EncoderDecoderCache
@@ -57,6 +58,11 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
     @property
     def batch_size(self) -> int:
         return self.self_attention_cache.batch_size
+
+    @property
+    def batch(self) -> Any:
+        """The decoder self-attention's rows and block tables (`PagedBatch`), which the batcher's admission reads."""
+        return self.self_attention_cache.batch
 
     @property
     def is_real(self) -> torch.Tensor:

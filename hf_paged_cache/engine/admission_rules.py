@@ -37,6 +37,13 @@ def never_fits(pool: KVPool, needed: Sequence[int]) -> PoolExhaustedError | None
     return None
 
 
+def larger_than_pool(error: PoolExhaustedError) -> bool:
+    """Whether a forward that ran out of blocks asked for more than its whole (fixed) pool: it could never run.
+    (Admission checks a prompt against the decoder's pool; an encoder-decoder request's cross-attention is known
+    only once its encoder ran.)"""
+    return error.needed > error.total
+
+
 def fits_with_headroom(pool: KVPool, needed: Sequence[int], in_flight: int) -> bool:
     """Whether `needed` blocks per group fit now with one block of headroom for each of `in_flight` requests
     (the requests in flight and the one to start): admission without reservation."""

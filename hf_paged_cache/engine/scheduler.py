@@ -53,6 +53,7 @@ from .admission_rules import (
     blocks_needed,
     fills_a_group,
     fits_with_headroom,
+    larger_than_pool,
     never_fits,
     snapshot_chunk_end,
     start_from_prefix,
@@ -197,14 +198,15 @@ class Scheduler:
         if not (picked or request in result.failures or request in result.exhausted):
             return  # did not run this step
         self.prefilling.remove(prefill)
-        if request in result.exhausted:  # others held the blocks (admission refuses a prompt the pool can't hold)
+        if request in result.exhausted and not larger_than_pool(result.exhausted[request]):  # others hold the blocks
             prefill.cache.release()  # its full blocks stay findable by prefix: they are reused when it starts again
             self._requeue(request, "prefill_retries")
             return
-        if not picked:  # the prompt's forward failed (or every choice's pick): each choice fails with it
+        if not picked:  # the prompt's forward failed (or every choice's pick, or it can never fit): each choice fails
             prefill.cache.release()
+            cause = result.failures.get(request, result.exhausted.get(request))
             for member in members:
-                self.outcomes.finish(member, result.failures.get(member, result.failures.get(request)))
+                self.outcomes.finish(member, result.failures.get(member, cause))
             return
         self._record_prompt_logprobs(request, result)
         request.followers = []  # from here on each choice is a request of its own

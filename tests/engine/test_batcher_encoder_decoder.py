@@ -10,7 +10,7 @@ from batcher_helpers import wait_until
 from encoder_decoder_models import ENCODER_DECODER_CONFIGS, VOCAB, tiny_seq2seq
 from faults import Force, Injected, RaiseInChoice, fail_next
 
-from hf_paged_cache import ContinuousBatcher, RequestCancelled
+from hf_paged_cache import ContinuousBatcher, PoolExhaustedError, RequestCancelled
 
 MODEL_TYPES = list(ENCODER_DECODER_CONFIGS)
 
@@ -132,6 +132,23 @@ def test_preempted_requests_are_computed_again_exactly():
         handles = [submit(batcher, encoder, max_new_tokens=24, min_new_tokens=24) for encoder, _ in requests]
         assert [handle.result(timeout=120) for handle in handles] == expected
         assert batcher.stats().preemptions > 0
+    assert_pools_empty(batcher)
+
+
+def test_a_fixed_pool_admits_by_look_ahead_and_a_request_larger_than_the_cross_attention_pool_fails():
+    model = tiny_seq2seq("bart")
+    requests = work("bart", 5, seed=6)
+    expected = [new_tokens(model, alone(model, encoder, max_new_tokens=12, min_new_tokens=12))
+                for encoder, _ in requests]
+    with ContinuousBatcher(model, block_size=4, num_blocks=20) as batcher:  # reserve_new_tokens: the default
+        handles = [submit(batcher, encoder, max_new_tokens=12, min_new_tokens=12) for encoder, _ in requests]
+        assert [handle.result(timeout=60) for handle in handles] == expected
+    whisper = tiny_seq2seq("whisper")  # 16 encoder positions: 4 blocks of 4 a request
+    with ContinuousBatcher(whisper, block_size=4, max_memory="32KiB") as batcher:  # a cross-attention pool of 1
+        assert batcher.running_cache.cross_attention_cache.pool.blocks.capacity < 4
+        handle = batcher.submit(input_features=torch.zeros(16, 32), max_new_tokens=2)
+        with pytest.raises(PoolExhaustedError, match="cross attention"):
+            handle.result(timeout=60)  # refused, not sent back to the queue for ever
     assert_pools_empty(batcher)
 
 
