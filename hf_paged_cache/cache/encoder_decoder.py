@@ -74,10 +74,10 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
         return self.cross_attention_cache.encoder_mask(device)
 
     def empty_like(self) -> PagedEncoderDecoderCache:
-        """A new empty cache on the same two pools, committing as this one does."""
-        cross = self.cross_attention_cache
+        """A new empty cache on the same two pools, committing as this one does (its reads are made per read:
+        a batcher's cache for one request)."""
         return PagedEncoderDecoderCache(self.self_attention_cache.empty_like(),
-                                        PagedCrossAttentionCache(cross.pool, keep_reads=cross.keep_reads))
+                                        PagedCrossAttentionCache(self.cross_attention_cache.pool))
 
     def add_rows_from(self, other: PagedEncoderDecoderCache) -> None:
         """Move `other`'s rows in after this one's, in both caches (no key or value copied); `other` is left empty."""
@@ -118,7 +118,7 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
         cross = cross_cache.nbytes()
         per_position = cross_cache.pool.bytes_per_block // cross_cache.pool.block_size
         reserved = stats.bytes_reserved + cross
-        used = stats.bytes_used + len(cross_cache.sources) * cross_cache.encoder_length * per_position
+        used = stats.bytes_used + sum(cross_cache.lengths) * per_position
         return dataclasses.replace(stats, cross_attention_bytes=cross, bytes_reserved=reserved, bytes_used=used,
                                    utilization=used / reserved if reserved else 1.0)
 

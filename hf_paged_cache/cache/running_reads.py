@@ -46,7 +46,8 @@ class RunningReads:
         buffer = self._buffers.get((layer, which))
         if buffer is None or buffer.data.shape[0] < len(tags) or buffer.data.shape[2] < length:
             first = fetch(tags[0])  # [H, S0, D]
-            capacity = max(len(tags), 2 * buffer.data.shape[0] if buffer is not None else 0)
+            held = buffer.data.shape[0] if buffer is not None else 0  # rows the old buffer had room for
+            capacity = held if len(tags) <= held else max(len(tags), 2 * held)
             heads, _, dim = first.shape
             buffer = _Buffer(first.new_zeros(capacity, heads, length, dim))
             self._buffers[(layer, which)] = buffer

@@ -218,8 +218,8 @@ class ContinuousBatcher:
         On an encoder-decoder model, as for its ``generate``: `input_ids` are the encoder's (T5, BART, Marian),
         or ``input_features=`` ``[mel bins, frames]`` (Whisper), and ``decoder_input_ids=`` is the decoder's
         prompt (default: its start token); ``max_new_tokens`` counts the decoder's tokens. On an image-text model,
-        ``multimodal_inputs=`` are its processor's outputs besides the ids (``pixel_values``, ...: the prompt
-        holds the processor's expanded image placeholders) and ``image_digests=`` optionally names each image
+        ``multimodal_inputs=`` are its processor's outputs (``pixel_values``, ...; the ids and mask, if
+        there, are left out: the prompt holds the processor's expanded image placeholders) and ``image_digests=`` optionally names each image
         (say, a hash of its pixels), which keys the blocks that hold it (`engine.media`).
 
         `generation_kwargs` are `GenerationConfig` fields (``max_new_tokens``, ``do_sample``,

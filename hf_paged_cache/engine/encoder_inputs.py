@@ -78,6 +78,8 @@ def encode(model: PreTrainedModel, inputs: Sequence[EncoderInput]) -> None:
     """Run the encoder for every input without an output yet, batched (see the module docstring); each gets its
     `hidden` ``[1, S, d]``."""
     pending = [item for item in inputs if item.hidden is None]
+    if not pending:
+        return
     encoder = model.get_encoder()
     features = [item for item in pending if item.name == "input_features"]
     for shape in {item.inputs["input_features"].shape for item in features}:

@@ -19,7 +19,7 @@ from .errors import APIError, api_error_for
 from .lifecycle import ServerLifecycle
 from .params import check_model
 from .settings import ServerSettings
-from .transcription import Segment, Transcription
+from .transcription import AudioError, Segment, Transcription
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 
@@ -53,8 +53,8 @@ def add_speech_routes(app: FastAPI, lifecycle: ServerLifecycle, settings: Server
         try:
             pending = await transcriber.start(data, language=language or None, prompt=prompt,
                                               temperature=temperature)
-        except ValueError as error:  # the audio (AudioError), the language
-            param = "language" if str(error).startswith("language") else "file"
+        except ValueError as error:  # the audio (AudioError), else the language
+            param = "file" if isinstance(error, AudioError) else "language"
             raise APIError(400, str(error), param=param, code="invalid_value") from error
         except Exception as error:  # a full queue (429), shutting down (503), a bug (500)
             raise api_error_for(error) from error

@@ -30,6 +30,6 @@ class ImagePrompts:
         images = load_images(urls, self.limits)
         out = self.processor(text=[text], images=[image.image for image in images], return_tensors="pt",
                              add_special_tokens=False)  # the template writes the special tokens it wants
-        tensors = {name: value for name, value in out.items() if name not in ("input_ids", "attention_mask")}
-        arguments = {"multimodal_inputs": tensors, "image_digests": [image.digest for image in images]}
+        # the batcher takes the processor's outputs besides the ids and mask (`engine.media.media_input`)
+        arguments = {"multimodal_inputs": dict(out), "image_digests": [image.digest for image in images]}
         return out["input_ids"][0].tolist(), arguments
