@@ -1,4 +1,4 @@
-"""`quantize_weights`: weight-only int8 linear layers on a CPU, llama.cpp's Q8_0 trade in PyTorch's own kernel.
+"""`Int8Linear`: weight-only int8 linear layers on a CPU, llama.cpp's Q8_0 trade in PyTorch's own kernel.
 
 `Int8Linear` keeps a linear layer's weight as int8 codes with one scale per output channel (symmetric:
 ``weight ~= codes * scale``, ``|codes| <= 127``): a quarter of float32's bytes. Its product is ATen's
@@ -11,8 +11,8 @@ Where it pays, measured on a 2-core AMD EPYC with AVX-512 BF16 against the float
 0.3x to 0.9x the time (SmolLM2-135M's ``[49152, 576]`` output head at one row 1.4 ms against 5.3 ms), and
 products of 16 rows or more 1.1x to 2.9x (prompts and batches: the kernel does not block for many rows).
 CPUs without bfloat16 instructions compute it slower still. So it is a laptop's option, for memory and one
-client's speed: ``quantize_weights(model)`` in Python, ``serve --quantize int8`` on the server (the output
-head kept in float; ``int8-all`` quantizes it too).
+client's speed: ``quantize_weights(model)`` (`hf_paged_cache.kernels.quantize`) in Python, ``serve --quantize
+int8`` on the server (the output head kept in float; ``int8-all`` quantizes it too).
 """
 
 from __future__ import annotations
@@ -48,39 +48,3 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def quantize_weights(model: nn.Module, bits: int = 8, *, output_head: bool = False) -> int:
-    """Make every plain `nn.Linear` of `model` an `Int8Linear`, in place; returns how many it changed.
-
-    Weight-only, symmetric, one scale per output channel. The output head (``model.get_output_embeddings()``)
-    stays as it is unless `output_head`: quantizing it too is the fastest (a third of a small model's decode
-    step is its head) and costs the most (SmolLM2-135M's perplexity: +0.56% against +0.32% without it). Call it
-    before `pack_linears`, which leaves these layers alone. A tied output head is quantized apart from the
-    embedding it shares its weight with.
-
-    Raises:
-        ValueError: for other `bits` than 8.
-        NotImplementedError: when this PyTorch build has no ``_weight_int8pack_mm`` for the model's device.
-    """
-    if bits != 8:
-        raise ValueError(f"quantize_weights takes bits=8 (int8 weights), got {bits}")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
-               if type(child) is nn.Linear and (output_head or child is not head)]
-    if linears:
-        _check_kernel(linears[0][2].weight.device)
-    for parent, name, child in linears:
-        setattr(parent, name, Int8Linear(child))
-    return len(linears)
-
-
-def _check_kernel(device: torch.device) -> None:
-    """`NotImplementedError` naming the device when ATen's int8 weight product does not run there."""
-    try:
-        torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16, device=device),
-                                           torch.ones(8, 32, dtype=torch.int8, device=device),
-                                           torch.ones(8, dtype=torch.bfloat16, device=device))
-    except (RuntimeError, NotImplementedError) as error:
-        raise NotImplementedError(f"int8 weights need ATen's _weight_int8pack_mm, which does not run on {device} "
-                                  f"here: {error}") from error

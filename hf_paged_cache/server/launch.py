@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..kernels.quantize import QUANTIZE_CHOICES
 from ..models import DTYPE_CHOICES, load_model_and_tokenizer, resolve_dtype
 from ..pool.kv_format import KV_DTYPES
 from ..pool.memory import parse_memory
@@ -52,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
              "memory (default: on; --no-packed-linears for the stock kernels)",
     )
     parser.add_argument(
-        "--quantize", choices=["int8", "int8-all"], default=None,
-        help="weight-only int8 linear layers (hf_paged_cache.kernels.quantize_weights) but the output head, or "
-             "int8-all with it: a quarter of float32's weight memory, faster one-client decode steps, slower prompts "
-             "and large batches on this kernel; the KV cache stays as the model computes it (default: off)",
+        "--quantize", choices=QUANTIZE_CHOICES, default=None,
+        help="weight-only int8 or int4 linear layers (hf_paged_cache.kernels.quantize_weights) but the output head, "
+             "or int8-all / int4-all with it: a quarter (int8) or about a sixth (int4) of float32's weight memory, "
+             "faster one-client decode steps; int8 makes prompts and large batches slower; the KV cache stays as the "
+             "model computes it (default: off)",
     )
     parser.add_argument(
         "--time-linears", action="store_true",
@@ -236,11 +238,11 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
     logger.info("loading %s (%s on %s)", options.model, dtype, options.device)
     model, tokenizer = _load_model(options, dtype)
     if options.quantize is not None:
-        from ..kernels import quantize_weights
+        from ..kernels import quantize_by_name
 
-        head = options.quantize == "int8-all"
-        logger.info("int8 weights: %d linear layers quantized (weight-only, a scale per output channel; the output "
-                    "head %s)", quantize_weights(model, output_head=head), "too" if head else "kept in float")
+        logger.info("%s weights: %d linear layers quantized (weight-only; the output head %s)", options.quantize,
+                    quantize_by_name(model, options.quantize), "too" if options.quantize.endswith("-all")
+                    else "kept in float")
     _pack_linears(model, options, "")
     if torch.device(options.device).type == "cpu" and mkl_takes_fast_path() is False:
         logger.warning("MKL skips its fast kernels on this CPU (not an Intel one): SDPA's CPU kernels run up to "

@@ -33,7 +33,7 @@ from hf_paged_cache.eval.perplexity import (
     score_windows,
     strided_windows,
 )
-from hf_paged_cache.kernels import quantize_weights
+from hf_paged_cache.kernels import QUANTIZE_CHOICES, quantize_by_name
 from hf_paged_cache.models import add_model_arguments, load_model_and_tokenizer
 
 
@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, default=1,
         help="rounds over the caches (alternated: A, B, A, B, ...); times are medians (default: 1)",
     )
-    parser.add_argument("--quantize", choices=["int8", "int8-all"], default=None,
-                        help="weight-only int8 linear layers (hf_paged_cache.kernels.quantize_weights): all but the "
-                             "output head, or int8-all (default: off)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                        help="weight-only int8 or int4 linear layers (hf_paged_cache.kernels.quantize_weights): "
+                             "all but the output head, or int8-all / int4-all (default: off)")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument(
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     chunk_size = args.chunk_size or None
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype=args.dtype)
     if args.quantize:
-        quantize_weights(model, output_head=args.quantize == "int8-all")
+        quantize_by_name(model, args.quantize)
     own_attention = model.config._attn_implementation
     corpus = load_corpus_text(args.corpus, split=args.split)
     ids = encode_corpus(tokenizer, corpus.text, args.max_tokens)  # [N]

@@ -314,6 +314,23 @@ def test_int8_weights_keys_and_values_on_request_equal_generate_on_them(tiny_ser
     assert [c.text for c in answer.choices] == expected
 
 
+def test_int4_flag_quantizes_every_layer_and_answers_as_generate_on_the_same_model(model_dir, reference):
+    """``--quantize int4-all`` loads 4-bit weights, the output head too: greedy answers equal `generate` on the same
+    model quantized by `quantize_weights(bits=4, output_head=True)`."""
+    from hf_paged_cache.kernels import Int4Linear
+    from hf_paged_cache.server.launch import build_parser, load_batcher
+
+    _, tokenizer = reference
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    quantize_weights(model, bits=4, output_head=True)
+    prompts = [tokenizer(p).input_ids for p in ("The sea is", "Hello, world! 42", "abc")]
+    batcher, _ = load_batcher(build_parser().parse_args([str(model_dir), "--num-blocks", "64", "--quantize", "int4-all"]))
+    with batcher:
+        assert isinstance(batcher.model.get_output_embeddings(), Int4Linear)
+        answers = batcher.generate(prompts, max_new_tokens=12, min_new_tokens=12)
+    assert answers == [generate_alone(model, p, 12) for p in prompts]
+
+
 def test_streamed_text_joins_to_the_answer(server, client):
     kwargs = dict(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=0)
     whole = client.completions.create(**kwargs)

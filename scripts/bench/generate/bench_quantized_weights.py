@@ -1,0 +1,130 @@
+"""Quantized weights (`quantize_weights`) against float32 on the default model: decode steps and first tokens, at 1
+and 16 rows, and how long the greedy answers agree.
+
+Models from one float32 load (``--models``), each then packed for oneDNN as the server packs it (`pack_linears`:
+the layers left in float): **float32**; **int8**, every linear layer but the output head as int8 codes
+(``serve --quantize int8``); **int8-all**, the output head too; **int4** and **int4-all**, the same at 4 bits
+(groups of 32). Each generates ``--new-tokens`` greedy tokens with a `PagedCache` for ``--rows`` prompts (one
+text behind a different first line each, about 55 tokens, left-padded), alternated (every model in turn, then
+the order turned) for ``--repeats`` rounds after a warm-up. Reported per model and row
+count: the first token's time (the prompt's forward), the decode time a step (``(whole - first) / (new - 1)``),
+medians (min-max), the linear weights' bytes, and the first new token where its greedy answer leaves
+float32's (the answers agree before it).
+
+Commands (the runs reported in docs/benchmarks.md)::
+
+    OMP_NUM_THREADS=2 python scripts/bench/generate/bench_quantized_weights.py --models float32,int8,int8-all \
+        --out results/bench_int8_weights.json
+    OMP_NUM_THREADS=2 python scripts/bench/generate/bench_quantized_weights.py --models float32,int8,int4,int4-all \
+        --out results/bench_int4_weights.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_paged_cache import PagedCache
+from hf_paged_cache.bench import write_json
+from hf_paged_cache.kernels import QUANTIZE_CHOICES, Int4Linear, Int8Linear, pack_linears, quantize_by_name
+from hf_paged_cache.models import load_model_and_tokenizer
+
+PROMPT = ("The history of the city begins with a small settlement on the river, where traders from the north met "
+          "farmers from the valley. Over the centuries it grew into a market town, then a port, and finally the "
+          "capital of the region. Its old quarter still keeps")
+MODELS = ("float32", *QUANTIZE_CHOICES)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the linear layers' weights as the model holds them (codes and scales; float32 weights)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.codes.numel() + 2 * module.scale.numel()
+        elif isinstance(module, Int4Linear):
+            total += module.packed.numel() + 2 * module.steps_and_midpoints.numel()
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def run(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """The first token's seconds, a decode step's seconds and the new tokens ``[rows, new]``."""
+    with PagedCache(model) as cache, torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False)
+        first = time.perf_counter() - start
+    with PagedCache(model) as cache, torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+        whole = time.perf_counter() - start
+    return first, (whole - first) / (new_tokens - 1), out[:, ids.shape[1]:]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="float32,int8,int8-all",
+                        help=f"comma-separated, float32 first, from {', '.join(MODELS)} "
+                             "(default: float32,int8,int8-all)")
+    parser.add_argument("--rows", default="1,16", help="row counts (default: 1,16)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default: 3)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
+    args = parser.parse_args(argv)
+    names = tuple(args.models.split(","))
+    if names[0] != "float32" or not set(names) <= set(MODELS):
+        parser.error(f"--models: float32 first, then any of {', '.join(MODELS[1:])}")
+
+    base, tokenizer = load_model_and_tokenizer()
+    models = {}
+    for name in names:
+        model = copy.deepcopy(base)
+        if name != "float32":
+            quantize_by_name(model, name)
+        pack_linears(model)
+        models[name] = model
+    result = {"models": list(names), "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "weight_bytes": {n: weight_bytes(m) for n, m in models.items()},
+              "rows": {}}
+    for rows in (int(r) for r in args.rows.split(",")):
+        texts = [f"Chapter {row + 1}. {PROMPT}" for row in range(rows)]  # distinct rows: none computed once for all
+        batch = tokenizer(texts, return_tensors="pt", padding=True)  # [rows, P], left-padded
+        ids, mask = batch.input_ids, batch.attention_mask
+        firsts = {name: [] for name in names}
+        steps = {name: [] for name in names}
+        answers = {}
+        for round_ in range(args.repeats + 1):  # round 0 warms up
+            for name in (names if round_ % 2 else names[::-1]):
+                first, step, answers[name] = run(models[name], ids, mask, args.new_tokens)
+                if round_:
+                    firsts[name].append(first)
+                    steps[name].append(step)
+        entry = {}
+        for name in names:
+            same = (answers[name][0] == answers["float32"][0]).tolist()  # the first prompt's answer
+            agree = same.index(False) if False in same else len(same)
+            entry[name] = {"first_ms": 1000 * statistics.median(firsts[name]),
+                           "first_ms_range": [1000 * min(firsts[name]), 1000 * max(firsts[name])],
+                           "step_ms": 1000 * statistics.median(steps[name]),
+                           "step_ms_range": [1000 * min(steps[name]), 1000 * max(steps[name])],
+                           "agrees_for": agree}
+            print(f"rows {rows} {name}: first token {entry[name]['first_ms']:.0f} ms, decode "
+                  f"{entry[name]['step_ms']:.1f} ms a step ({1000 * min(steps[name]):.1f}-"
+                  f"{1000 * max(steps[name]):.1f}), greedy answer as float32's for {agree} tokens", flush=True)
+        result["rows"][str(rows)] = entry
+    for name, size in result["weight_bytes"].items():
+        print(f"{name}: linear weights {size / 2**20:.1f} MiB")
+    if args.out:
+        write_json(args.out, result, "cpu")
+    return result
+
+
+if __name__ == "__main__":
+    main()
