@@ -22,50 +22,17 @@ Commands (the runs reported in docs/benchmarks.md)::
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.kernels import QUANTIZE_CHOICES, Int4Linear, Int8Linear, pack_linears, quantize_by_name
+from hf_paged_cache.bench.quantized import greedy_run, prompt_texts, quantized_models, weight_bytes
+from hf_paged_cache.kernels import QUANTIZE_CHOICES
 from hf_paged_cache.models import load_model_and_tokenizer
 
-PROMPT = ("The history of the city begins with a small settlement on the river, where traders from the north met "
-          "farmers from the valley. Over the centuries it grew into a market town, then a port, and finally the "
-          "capital of the region. Its old quarter still keeps")
 MODELS = ("float32", *QUANTIZE_CHOICES)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the linear layers' weights as the model holds them (codes and scales; float32 weights)."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Int8Linear):
-            total += module.codes.numel() + 2 * module.scale.numel()
-        elif isinstance(module, Int4Linear):
-            total += module.packed.numel() + 2 * module.steps_and_midpoints.numel()
-        elif isinstance(module, nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-    return total
-
-
-def run(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
-    """The first token's seconds, a decode step's seconds and the new tokens ``[rows, new]``."""
-    with PagedCache(model) as cache, torch.inference_mode():
-        start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False)
-        first = time.perf_counter() - start
-    with PagedCache(model) as cache, torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False)
-        whole = time.perf_counter() - start
-    return first, (whole - first) / (new_tokens - 1), out[:, ids.shape[1]:]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,26 +50,19 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--models: float32 first, then any of {', '.join(MODELS[1:])}")
 
     base, tokenizer = load_model_and_tokenizer()
-    models = {}
-    for name in names:
-        model = copy.deepcopy(base)
-        if name != "float32":
-            quantize_by_name(model, name)
-        pack_linears(model)
-        models[name] = model
+    models = quantized_models(base, names)
     result = {"models": list(names), "new_tokens": args.new_tokens, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "weight_bytes": {n: weight_bytes(m) for n, m in models.items()},
               "rows": {}}
     for rows in (int(r) for r in args.rows.split(",")):
-        texts = [f"Chapter {row + 1}. {PROMPT}" for row in range(rows)]  # distinct rows: none computed once for all
-        batch = tokenizer(texts, return_tensors="pt", padding=True)  # [rows, P], left-padded
+        batch = tokenizer(prompt_texts(rows), return_tensors="pt", padding=True)  # [rows, P], left-padded
         ids, mask = batch.input_ids, batch.attention_mask
         firsts = {name: [] for name in names}
         steps = {name: [] for name in names}
         answers = {}
         for round_ in range(args.repeats + 1):  # round 0 warms up
             for name in (names if round_ % 2 else names[::-1]):
-                first, step, answers[name] = run(models[name], ids, mask, args.new_tokens)
+                first, step, answers[name] = greedy_run(models[name], ids, mask, args.new_tokens)
                 if round_:
                     firsts[name].append(first)
                     steps[name].append(step)
