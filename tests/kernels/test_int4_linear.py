@@ -1,6 +1,6 @@
 """Weight-only int4 linear layers (`quantize_weights(model, bits=4)`): the codes stand for the weight within half
-a step of their group, the product is ATen's on those codes, a quantized model's perplexity stays near the float
-one's, and `PagedCache` is exact on it."""
+a step of their group, the product is ATen's on those codes; and of both widths: a quantized model's perplexity
+stays near the float one's, and `PagedCache` is exact on it."""
 
 import math
 
@@ -11,7 +11,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_paged_cache import PagedCache
-from hf_paged_cache.kernels import Int4Linear, pack_linears, quantize_by_name, quantize_weights
+from hf_paged_cache.kernels import Int4Linear, Int8Linear, pack_linears, quantize_by_name, quantize_weights
 
 
 def test_the_codes_stand_for_the_weight_within_half_a_step_and_the_product_is_theirs():
@@ -61,18 +61,20 @@ def test_perplexity_on_a_fixed_text_stays_near_the_float_models():
         assert type(quantized.get_output_embeddings()) is not nn.Linear  # the head too
 
 
-def test_a_quantized_model_is_close_to_the_float_one_and_the_cache_is_exact_on_it():
+@pytest.mark.parametrize("bits, layer_type, similarity", [(8, Int8Linear, 0.999), (4, Int4Linear, 0.99)])
+def test_a_quantized_model_is_close_to_the_float_one_and_the_cache_is_exact_on_it(bits, layer_type, similarity):
     model = tiny_model("llama")
     linears = sum(type(module) is nn.Linear for module in model.modules())
     ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(ids).logits
-    assert quantize_weights(model, bits=4) == linears - 1  # all but the output head
-    assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert quantize_weights(model, bits=bits) == linears - 1  # all but the output head
+    assert isinstance(model.model.layers[0].mlp.down_proj, layer_type)
+    assert type(model.get_output_embeddings()) is nn.Linear
     assert pack_linears(model) == 1  # the head, left in float
     with torch.no_grad():
         after = model(ids).logits
-    assert float(torch.nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0)) > 0.99
+    assert float(torch.nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0)) > similarity
     settings = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
     mask = torch.ones_like(ids)
     reference = model.generate(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), **settings)
