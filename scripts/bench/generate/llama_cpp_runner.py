@@ -11,6 +11,7 @@ before every run, so no run reuses another's prompt.
 (requantizing allowed) and prints ``{}``.
 """
 
+import argparse
 import json
 import sys
 import time
@@ -47,10 +48,15 @@ def time_runs(job: dict) -> dict:
     return {"runs": results[1:]}
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # the job comes on stdin
     request = json.load(sys.stdin)
     if "quantize" in request:
         quantize(*request["quantize"])
         print("{}")
     else:
         print(json.dumps(time_runs(request)))
+
+
+if __name__ == "__main__":
+    main()

@@ -49,6 +49,8 @@ the standard workload is a streamed ``POST /v1/completions``. Contenders (``--co
 - ``ours-bmm`` (not in the default list): ``ours`` with ``--bmm-decode`` (the ``paged_bmm`` attention);
 - ``ours-flex`` and ``batcher-flex`` (not in the default list): ``ours`` with ``--flex-decode``, and ``batcher`` on
   the same attention (``paged_flex``: decode steps read the blocks in place, `hf_paged_cache.attention.flex_decode`);
+- ``ours-int8`` and ``ours-int4`` (not in the default list): ``ours`` with ``--quantize int8`` and ``--quantize
+  int4`` (weight-only quantized linear layers, the output head in float; `hf_paged_cache.kernels.quantize_weights`);
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
   ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
