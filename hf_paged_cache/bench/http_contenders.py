@@ -24,11 +24,12 @@ from .server_process import HOST, running_process
 CONTENDERS = (
     "ours", "transformers", "batcher", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
     "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single", "ours-spec", "vllm-spec",
-    "ours-json", "vllm-json", "ours-int8", "ours-int4",
+    "ours-json", "vllm-json", "ours-int8", "ours-int4", "ours-bound",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
 OUR_SERVERS = ("ours", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "ours-spec", "ours-int8",
-               "ours-int4")
+               "ours-int4", "ours-bound")
+BOUND_THREADS = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}  # ours-bound: OpenMP's threads, one per core
 VLLM_SERVERS = ("vllm", "vllm-spec")
 SPECULATIVE = ("ours-spec", "vllm-spec")  # n-gram prompt lookup: --speculative-tokens drafts a step
 SPECULATIVE_SET = frozenset(SPECULATIVE)
@@ -96,6 +97,7 @@ class ServerSettings:
                      "ours-timed": ["--time-linears", *plain], "ours-bmm": ["--bmm-decode", *plain],
                      "ours-flex": ["--flex-decode", *plain],
                      "ours-int8": ["--quantize", "int8", *plain], "ours-int4": ["--quantize", "int4", *plain],
+                     "ours-bound": plain,
                      "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
                      }[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",
@@ -119,7 +121,7 @@ class ServerSettings:
         if contender.endswith(PRELOADED):  # before any library the environment already preloads
             preload = {"LD_PRELOAD": " ".join(filter(None, [str(self.preload), os.environ.get("LD_PRELOAD")]))}
         if not is_vllm(contender):
-            return preload
+            return (BOUND_THREADS if base_contender(contender) == "ours-bound" else {}) | preload
         # vLLM binds its compute threads to these cores (by default one thread on one core).
         cores = "0" if self.threads == 1 else f"0-{self.threads - 1}"
         return {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"} | preload

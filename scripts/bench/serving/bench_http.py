@@ -51,6 +51,8 @@ the standard workload is a streamed ``POST /v1/completions``. Contenders (``--co
   the same attention (``paged_flex``: decode steps read the blocks in place, `hf_paged_cache.attention.flex_decode`);
 - ``ours-int8`` and ``ours-int4`` (not in the default list): ``ours`` with ``--quantize int8`` and ``--quantize
   int4`` (weight-only quantized linear layers, the output head in float; `hf_paged_cache.kernels.quantize_weights`);
+- ``ours-bound`` (not in the default list): ``ours`` with ``OMP_PROC_BIND=close OMP_PLACES=cores`` (OpenMP's
+  threads bound to cores, one each);
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
   ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET
