@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PoolExhaustedError
-from ..pool.block_pool import NULL_BLOCK, BlockPool, hash_block
+from ..pool.block_pool import FOLLOW, NULL_BLOCK, BlockPool, hash_block
 
 
 class BlockTables:
@@ -87,7 +87,11 @@ class BlockTables:
                     copy_rows.append(row)  # written even if the window drops it at commit: it must be whole
         grow = [max(g, 0) for g in grow]
         needed = sum(grow) + len(copy_rows) + len(reopen_rows)
-        new_ids = self.blocks.allocate(needed)
+        after = self._growth_after(grow, set(copy_rows) | set(reopen_rows))
+        prefer: list[int | None] = [None] * (len(copy_rows) + len(reopen_rows))  # in the order used below
+        for row, count in enumerate(grow):  # each row's blocks one after the other, from the one after its last
+            prefer.extend([None if after[row] is None else after[row] + 1, *[FOLLOW] * (count - 1)][:count])
+        new_ids = self.blocks.allocate(needed, prefer)
         if new_ids is None:
             raise PoolExhaustedError(needed, self.blocks.num_free, self.blocks.capacity, size)
         fresh = iter(new_ids)
@@ -114,6 +118,16 @@ class BlockTables:
                 self.token_ids[row] = None
         self.drop_before = list(keep_from) if keep_from is not None else None
         return pairs
+
+    def _growth_after(self, grow: Sequence[int], replaced: set[int]) -> list[int | None]:
+        """Per row, the block its new blocks should follow (its last one, for keys in consecutive slots), or None: a
+        row that takes no blocks, starts empty, ends out of its window or has its last block replaced."""
+        after: list[int | None] = []
+        for row, count in enumerate(grow):
+            table = self.tables[row]
+            last = table[-1] if count and table and row not in replaced else NULL_BLOCK
+            after.append(None if last == NULL_BLOCK else last)
+        return after
 
     def _shared(self, block: int) -> bool:
         """Whether writing into `block` would change what someone else reads (then copy it first)."""

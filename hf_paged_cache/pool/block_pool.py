@@ -68,6 +68,10 @@ FIXED = _SameAsNumBlocks()
 """`max_blocks=FIXED` (the default) caps a pool at the `num_blocks` it starts with: it never grows."""
 
 
+FOLLOW = -1
+"""In `BlockPool.allocate`'s ``prefer``: the block after the one taken just before."""
+
+
 class BlockPool:
     """Block ids ``0 .. num_blocks - 1`` of `block_size` tokens each, shared by reference count.
 
@@ -176,12 +180,14 @@ class BlockPool:
         """
         return self._max_blocks is None or n <= self.num_free
 
-    def allocate(self, n: int) -> list[int] | None:
+    def allocate(self, n: int, prefer: Sequence[int | None] = ()) -> list[int] | None:
         """Take `n` free blocks with reference count 1, or return None (taking nothing) if the cap forbids.
 
-        Never-used ids come first (in increasing order), then recycled blocks in the free list's order
-        (`FreeBlocks`; evicting their prefix-cached contents). If those are too few, the id space grows (see the class
-        docstring); an error raised by `on_grow` propagates, with nothing taken and the pool not grown.
+        Block ``i`` of the answer is ``prefer[i]`` (`FOLLOW`: the block after block ``i - 1`` of the answer) when
+        that block is free and may be taken out of turn (the next never-used id, or a recycled block that is empty
+        or on probation: `FreeBlocks.take_unprotected`); the others are never-used ids first (in increasing order), then recycled blocks in the free list's order
+        (`FreeBlocks`; evicting their prefix-cached contents). If those are too few, the id space grows (see the
+        class docstring); an error raised by `on_grow` propagates, with nothing taken and the pool not grown.
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
@@ -191,13 +197,13 @@ class BlockPool:
             with self._lock:
                 shortfall = n - self._num_free_now()
                 if shortfall <= 0:
-                    return self._take(n)
+                    return self._take(n, prefer)
                 target = self._growth_target(shortfall)
                 if target is None:
                     return None
                 if self._on_grow is None:
                     self._grow_to(target)
-                    return self._take(n)
+                    return self._take(n, prefer)
             self._on_grow(target)  # outside the lock: it may wait for readers of the storage
             with self._lock:
                 self._grow_to(target)  # then try again: another thread may have taken blocks meanwhile
@@ -222,18 +228,38 @@ class BlockPool:
             self._num_blocks = target
             self._grows += 1
 
-    def _take(self, n: int) -> list[int]:
-        """Hand out `n` blocks (the caller checked there are enough), never-used ones first."""
-        start = len(self._refcounts)
-        fresh = min(n, self._num_blocks - start)
-        block_ids = list(range(start, start + fresh))
-        self._refcounts.extend([1] * fresh)
-        for _ in range(n - fresh):
-            block_id = self._free.pop()
-            block_ids.append(block_id)
-            self._refcounts[block_id] = 1
-            self._index.evict(block_id)  # its old contents are about to be overwritten
+    def _take(self, n: int, prefer: Sequence[int | None] = ()) -> list[int]:
+        """Hand out `n` blocks (the caller checked there are enough): each preferred one where it may be taken out
+        of turn (see `allocate`), else never-used ones first, then the free list's."""
+        block_ids: list[int] = []
+        for i in range(n):
+            wanted = prefer[i] if i < len(prefer) else None
+            if wanted == FOLLOW:
+                wanted = block_ids[-1] + 1 if block_ids else None
+            if wanted is not None and self._take_out_of_turn(wanted):
+                block_ids.append(wanted)
+            elif len(self._refcounts) < self._num_blocks:
+                block_ids.append(len(self._refcounts))  # the next never-used id
+                self._refcounts.append(1)
+            else:
+                block_ids.append(self._free.pop())
+                self._recycle(block_ids[-1])
         return block_ids
+
+    def _take_out_of_turn(self, block_id: int) -> bool:
+        """Hold `block_id` if it is the next never-used id or a recycled block `FreeBlocks.take_unprotected` gives."""
+        if block_id == len(self._refcounts) and block_id < self._num_blocks:
+            self._refcounts.append(1)
+            return True
+        if 0 < block_id < len(self._refcounts) and self._free.take_unprotected(block_id):
+            self._recycle(block_id)
+            return True
+        return False
+
+    def _recycle(self, block_id: int) -> None:
+        """Hold a block just taken off the free list; its old contents are about to be overwritten."""
+        self._refcounts[block_id] = 1
+        self._index.evict(block_id)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each (already held) block: sharing instead of copying."""

@@ -13,6 +13,10 @@ The protected segment is bounded (``protected_limit``, given by the pool: half i
 least recently freed block moves to the back of probation, SLRU's demotion. So a prefix that stopped being
 used ages out like any other block, and one-off blocks always have half the pool to cycle through.
 
+One exception to the order: a growing row may take the block right after its last one out of turn, when that
+block is empty or on probation (`take_unprotected`; `BlockPool.allocate`'s ``prefer``), so that its keys stay in
+consecutive slots and decode steps read them as one view. Protected blocks are always taken in order.
+
 Each segment is an ordered dict used as an ordered set: append at the back, pop from the front and remove any
 block, all O(1) (which a deque cannot do).
 """
@@ -57,6 +61,18 @@ class FreeBlocks:
                 del segment[block_id]
                 return
         raise KeyError(block_id)
+
+    def take_unprotected(self, block_id: int) -> bool:
+        """Take `block_id` out if it is empty or on probation (never reused since cached), and say whether it was.
+
+        Out of order within those segments: a growing row asks for the block after its last one, so its keys stay
+        in consecutive slots. A protected block (its prefix was hit) is never taken out of order.
+        """
+        for segment in (self._empty, self._probation):
+            if block_id in segment:
+                del segment[block_id]
+                return True
+        return False
 
     def pop(self) -> int:
         """The next block to hand out: the front of the first non-empty segment. `KeyError` if none is free."""

@@ -199,8 +199,8 @@ class NaNBlocks:
         for group, blocks in enumerate(pool.groups):
             allocate = blocks.allocate
 
-            def poisoned(n, allocate=allocate, group=group):
-                taken = allocate(n)
+            def poisoned(n, prefer=(), *, allocate=allocate, group=group):
+                taken = allocate(n, prefer)
                 if taken:
                     self.fill(group, taken)
                 return taken

@@ -112,3 +112,47 @@ def test_an_evicted_block_starts_over_in_probation():
     pool.free(pool.match_prefix([7, 0], max_blocks=1))  # [7] is reused: protected
     pool.free([old])  # freed last, but its new contents were never reused
     assert pool.allocate(1) == [old]
+
+
+def test_a_preferred_block_is_taken_out_of_turn_unless_protected():
+    """`prefer` (a growing row's next block after its last) is honoured for the next never-used id and for empty or
+    probation blocks, never for a protected one, and never changes how many blocks are free."""
+    pool = BlockPool(num_blocks=9, block_size=1)  # 8 usable
+    protected = cache_blocks(pool, [5])  # block 1
+    pool.free(pool.match_prefix([5, 0], max_blocks=1))  # reused: protected
+    cache_blocks(pool, [6, 7])  # blocks 2, 3, freed tail first: on probation
+    [empty] = pool.allocate(1)  # block 4, never registered
+    pool.free([empty])
+    # the free list's own order would give 5, 6, 7, 8 (never used), then 4 (empty), then 3, 2 (probation)
+    assert pool.allocate(3, prefer=[3, None, 1]) == [3, 5, 6]  # 3 out of turn; 1 is protected: not taken
+    assert pool.allocate(2, prefer=[4, 7]) == [4, 7]  # the empty block, and the next never-used id
+    assert pool.allocate(1, prefer=[6]) == [8]  # a held block is not free: the free list's turn
+    assert pool.prefix_stats().evictions == 1  # block 3's contents ([6, 7]'s second block)
+    assert pool.match_prefix([5, 0], max_blocks=1) == protected
+
+
+def test_a_row_growing_on_a_recycled_pool_keeps_consecutive_blocks():
+    """A row's blocks follow one another where the pool allows it: after the free list's first block, a new row
+    takes the block after it, and a growing row the block after its last one, so its keys sit in consecutive
+    slots (decode steps read them as one view)."""
+    from hf_paged_cache.cache.block_table import BlockTables
+
+    pool = BlockPool(num_blocks=12, block_size=2)  # 11 usable
+    earlier = BlockTables(pool)
+    earlier.add_rows(1)
+    earlier.append([8])  # 4 blocks: 1, 2, 3, 4
+    earlier.commit()
+    pool.free(reversed(earlier.tables[0]))  # tail first: the free list is 4, 3, 2, 1 (never-used 5..11 before)
+    assert pool.allocate(7) == list(range(5, 12))
+    pool.free([5, 6])  # the free list is now 4, 3, 2, 1, 5, 6
+    tables = BlockTables(pool)
+    tables.add_rows(1)
+    tables.append([4])  # 2 blocks: the free list's first, 4, then 5 out of turn (3 was next in line)
+    tables.commit()
+    assert tables.tables[0] == [4, 5]
+    tables.append([1])  # a third: 6 follows 5
+    tables.commit()
+    assert tables.tables[0] == [4, 5, 6]
+    tables.append([2])  # a fourth: 7 is held elsewhere, so the free list's turn: 3
+    tables.commit()
+    assert tables.tables[0] == [4, 5, 6, 3] and pool.num_free == 2
