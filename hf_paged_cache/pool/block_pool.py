@@ -5,6 +5,19 @@ Pure Python, no torch: the allocator only hands out integers. The tensors those 
 Which blocks can be found again by prefix is kept by a `PrefixIndex` (`prefix_index`, whose `hash_block`,
 `block_keys` and `PrefixCacheStats` this module re-exports).
 
+**Free blocks.** Ids never handed out are dealt from a counter (in increasing order), and only recycled
+blocks are kept in the free list, so a pool costs O(blocks ever used) memory, not O(num_blocks): a large
+cap costs nothing until it is used. `allocate` deals never-used ids first, then recycled ones in the
+free list's order (`FreeBlocks`: blocks holding nothing findable, then cached blocks never reused, then
+reused ones, each least recently freed first), but for a block a growing row asks for (``prefer``: the one
+after its last), taken out of turn when it may be; taking, freeing and a prefix hit on a free block are all
+O(1). A block is free exactly when its reference count is 0.
+
+**Counts.** `capacity` is the most blocks that can be held at once: ``max_blocks - 1`` for a fixed or
+capped pool, ``num_blocks - 1`` (the current size; it grows) for an elastic one. `num_used` is the blocks
+held now and ``num_free = capacity - num_used`` (for a capped pool, this includes the room left to grow).
+`can_allocate(n)` is ``n <= num_free``, always True for an elastic pool.
+
 Prefix caching: a full block can be registered under `hash_block` of its tokens. A registered block that nobody
 holds stays in the free list with its contents and its key, so `BlockPool.match_prefix` can take it back
 (`lookup_prefix`, `hold_cached`); it loses both only when `allocate` hands it out again (an eviction). A block
@@ -91,20 +104,7 @@ class BlockPool:
     its tensors there, so storage is always at least as large as the id space. If it raises, the pool does
     not grow and `allocate` raises that error (having taken nothing). `grow_count` counts growths.
 
-    **Free blocks.** Ids never handed out are dealt from a counter (in increasing order), and only recycled
-    blocks are kept in the free list, so a pool costs O(blocks ever used) memory, not O(num_blocks): a large
-    cap costs nothing until it is used. `allocate` deals never-used ids first, then recycled ones in the
-    free list's order (`FreeBlocks`: blocks holding nothing findable, then cached blocks never reused, then
-    reused ones, each least recently freed first); taking, freeing and a prefix hit on a free block are all
-    O(1). A block is free exactly when its reference count is 0.
-
-    **Counts.** `capacity` is the most blocks that can be held at once: ``max_blocks - 1`` for a fixed or
-    capped pool, ``num_blocks - 1`` (the current size; it grows) for an elastic one. `num_used` is the blocks
-    held now and ``num_free = capacity - num_used`` (for a capped pool, this includes the room left to grow).
-    `can_allocate(n)` is ``n <= num_free``, always True for an elastic pool.
-
-    Prefix caching and thread safety: see the module docstring.
-
+    Free blocks, counts, prefix caching and thread safety: see the module docstring.
     """
 
     def __init__(
@@ -183,11 +183,11 @@ class BlockPool:
     def allocate(self, n: int, prefer: Sequence[int | None] = ()) -> list[int] | None:
         """Take `n` free blocks with reference count 1, or return None (taking nothing) if the cap forbids.
 
-        Block ``i`` of the answer is ``prefer[i]`` (`FOLLOW`: the block after block ``i - 1`` of the answer) when
-        that block is free and may be taken out of turn (the next never-used id, or a recycled block that is empty
-        or on probation: `FreeBlocks.take_unprotected`); the others are never-used ids first (in increasing order), then recycled blocks in the free list's order
-        (`FreeBlocks`; evicting their prefix-cached contents). If those are too few, the id space grows (see the
-        class docstring); an error raised by `on_grow` propagates, with nothing taken and the pool not grown.
+        Block ``i`` is ``prefer[i]`` (`FOLLOW`: the block after block ``i - 1``) when that block is free and may be
+        taken out of turn (the next never-used id, or a recycled block `FreeBlocks.take_unprotected` gives); the
+        others are never-used ids first (in increasing order), then recycled blocks in the free list's order
+        (evicting their prefix-cached contents). If those are too few, the id space grows (see the class
+        docstring); an error raised by `on_grow` propagates, with nothing taken and the pool not grown.
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
@@ -236,30 +236,18 @@ class BlockPool:
             wanted = prefer[i] if i < len(prefer) else None
             if wanted == FOLLOW:
                 wanted = block_ids[-1] + 1 if block_ids else None
-            if wanted is not None and self._take_out_of_turn(wanted):
-                block_ids.append(wanted)
-            elif len(self._refcounts) < self._num_blocks:
-                block_ids.append(len(self._refcounts))  # the next never-used id
-                self._refcounts.append(1)
+            fresh = len(self._refcounts)  # the next never-used id
+            if wanted is not None and 0 < wanted < fresh and self._free.take_unprotected(wanted):
+                block_id = wanted  # a recycled block, out of turn
+            elif fresh < self._num_blocks:
+                block_id = fresh  # also when it is the one wanted
+                self._refcounts.append(0)
             else:
-                block_ids.append(self._free.pop())
-                self._recycle(block_ids[-1])
+                block_id = self._free.pop()
+            self._refcounts[block_id] = 1
+            self._index.evict(block_id)  # its old contents, if findable, are about to be overwritten
+            block_ids.append(block_id)
         return block_ids
-
-    def _take_out_of_turn(self, block_id: int) -> bool:
-        """Hold `block_id` if it is the next never-used id or a recycled block `FreeBlocks.take_unprotected` gives."""
-        if block_id == len(self._refcounts) and block_id < self._num_blocks:
-            self._refcounts.append(1)
-            return True
-        if 0 < block_id < len(self._refcounts) and self._free.take_unprotected(block_id):
-            self._recycle(block_id)
-            return True
-        return False
-
-    def _recycle(self, block_id: int) -> None:
-        """Hold a block just taken off the free list; its old contents are about to be overwritten."""
-        self._refcounts[block_id] = 1
-        self._index.evict(block_id)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one holder to each (already held) block: sharing instead of copying."""
