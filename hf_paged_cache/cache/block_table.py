@@ -87,10 +87,7 @@ class BlockTables:
                     copy_rows.append(row)  # written even if the window drops it at commit: it must be whole
         grow = [max(g, 0) for g in grow]
         needed = sum(grow) + len(copy_rows) + len(reopen_rows)
-        after = self._growth_after(grow, set(copy_rows) | set(reopen_rows))
-        prefer: list[int | None] = [None] * (len(copy_rows) + len(reopen_rows))  # in the order used below
-        for row, count in enumerate(grow):  # each row's blocks one after the other, from the one after its last
-            prefer.extend([None if after[row] is None else after[row] + 1, *[FOLLOW] * (count - 1)][:count])
+        prefer = self._preferred_blocks(grow, len(copy_rows) + len(reopen_rows), set(copy_rows) | set(reopen_rows))
         new_ids = self.blocks.allocate(needed, prefer)
         if new_ids is None:
             raise PoolExhaustedError(needed, self.blocks.num_free, self.blocks.capacity, size)
@@ -119,15 +116,19 @@ class BlockTables:
         self.drop_before = list(keep_from) if keep_from is not None else None
         return pairs
 
-    def _growth_after(self, grow: Sequence[int], replaced: set[int]) -> list[int | None]:
-        """Per row, the block its new blocks should follow (its last one, for keys in consecutive slots), or None: a
-        row that takes no blocks, starts empty, ends out of its window or has its last block replaced."""
-        after: list[int | None] = []
+    def _preferred_blocks(self, grow: Sequence[int], copies: int, replaced: set[int]) -> list[int | None]:
+        """`BlockPool.allocate`'s ``prefer`` for `copies` replacement blocks (no preference), then each row's
+        `grow` blocks one after the other from the block after its last (none for a row that starts empty, ends
+        out of its window or has its last block `replaced`): its keys in consecutive slots where the pool allows."""
+        if not any(grow):
+            return []  # most decode steps: nothing to take
+        prefer: list[int | None] = [None] * copies
         for row, count in enumerate(grow):
-            table = self.tables[row]
-            last = table[-1] if count and table and row not in replaced else NULL_BLOCK
-            after.append(None if last == NULL_BLOCK else last)
-        return after
+            if count:
+                table = self.tables[row]
+                last = table[-1] if table and row not in replaced else NULL_BLOCK
+                prefer += [None if last == NULL_BLOCK else last + 1, *[FOLLOW] * (count - 1)]
+        return prefer
 
     def _shared(self, block: int) -> bool:
         """Whether writing into `block` would change what someone else reads (then copy it first)."""

@@ -8,8 +8,9 @@ an eighth of float32's bytes for the codes, plus 4 bytes a group (0.625 bytes a 
 The product is ATen's ``_weight_int4pack_mm_for_cpu`` on the codes packed once
 (``_convert_weight_to_int4pack_for_cpu``). Its fast path multiplies bfloat16 activations (rounded on the way
 in; the output goes back to their dtype); on float32 activations the same kernel ran 10x to 70x slower on a
-2-core AMD EPYC, so they are never sent as float32. The kernel takes output widths that are multiples of 16 (narrower remainders are padded with zero
-codes and cut off the output) and input widths that are multiples of the group size (`fits` says which).
+2-core AMD EPYC, so they are never sent as float32. The kernel takes output widths that are multiples of 16
+(narrower remainders are padded with zero codes and cut off the output) and input widths that are multiples of
+the group size (`fits` says which).
 
 Measured on a 2-core AMD EPYC with AVX-512 BF16 against float32 packed for oneDNN, one row: the
 ``[1536, 576]`` product in 29 us against 75 (int8: 52), SmolLM2-135M's ``[49152, 576]`` output head in 0.82 ms
@@ -53,8 +54,8 @@ class Int4Linear(nn.Module):
         codes = (groups - midpoint.float().unsqueeze(-1)) / step.float().unsqueeze(-1) + 8  # [N', K/g, g]
         codes = codes.round().clamp(0, 15).to(torch.int32).view(padded, -1)  # [N', K]
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N', K/2]
-        # [K/g, N', 2]: the kernel's layout of (step, midpoint) pairs
-        self.register_buffer("steps_and_midpoints", torch.stack([step, midpoint], dim=-1).transpose(0, 1).contiguous())
+        pairs = torch.stack([step, midpoint], dim=-1)  # [N', K/g, 2]
+        self.register_buffer("steps_and_midpoints", pairs.transpose(0, 1).contiguous())  # [K/g, N', 2], the kernel's
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,22 +49,20 @@ def quantize_weights(model: nn.Module, bits: int = 8, *, output_head: bool = Fal
     if linears:
         _check_kernel(bits, linears[0][2].weight.device)
     for parent, name, child in linears:
-        setattr(parent, name, Int8Linear(child) if bits == 8 else Int4Linear(child, group_size))
+        setattr(parent, name, _quantized(child, bits, group_size))
     return len(linears)
 
 
+def _quantized(linear: nn.Linear, bits: int, group_size: int) -> nn.Module:
+    """`linear` as an `Int8Linear` (``bits=8``) or an `Int4Linear` (``bits=4``, groups of `group_size`)."""
+    return Int8Linear(linear) if bits == 8 else Int4Linear(linear, group_size)
+
+
 def _check_kernel(bits: int, device: torch.device) -> None:
-    """`NotImplementedError` naming the device when ATen's product for `bits`-wide weights does not run there."""
-    rows = torch.ones(1, 32, dtype=torch.bfloat16, device=device)  # [M, K]
+    """`NotImplementedError` naming the device when ATen's product for `bits`-wide weights does not run there: a
+    tiny layer of that width is built and run, as every layer will be."""
     try:
-        if bits == 8:
-            torch.ops.aten._weight_int8pack_mm(rows, torch.ones(16, 32, dtype=torch.int8, device=device),
-                                               torch.ones(16, dtype=torch.bfloat16, device=device))
-        else:
-            codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                torch.ones(16, 32, dtype=torch.int32, device=device), 1)
-            torch.ops.aten._weight_int4pack_mm_for_cpu(rows, codes, 32, torch.ones(1, 16, 2, dtype=torch.bfloat16,
-                                                                                   device=device))
+        _quantized(nn.Linear(32, 16, device=device), bits, 32)(torch.ones(1, 32, device=device))
     except (RuntimeError, NotImplementedError) as error:
         kernel = "_weight_int8pack_mm" if bits == 8 else "_weight_int4pack_mm_for_cpu"
         raise NotImplementedError(f"int{bits} weights need ATen's {kernel}, which does not run on {device} "
