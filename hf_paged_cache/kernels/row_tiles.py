@@ -1,0 +1,164 @@
+"""Row tiles: a linear layer whose every row comes out the same whatever rows share its call.
+
+A CPU matrix product picks its kernel and blocking by the shape it is given: the same input row, multiplied
+alone, beside 6 others or beside 63, can be summed in another order and round differently (measured on a 2-core
+AMD EPYC, float32: MKL's ``F.linear`` by up to 2.6e-6, oneDNN's packed product by up to 7.6e-6 at 1,536 inputs,
+where one row takes another kernel than two or more). Called with a row count that is always a multiple of a
+small number (2 for oneDNN there, 8 for MKL), at most `MAX_ROWS_PER_CALL` rows at a time, every kernel measured
+gives each row the same bits whatever the others are and wherever the row sits. `tile_rows` finds that multiple
+for each layer on the machine at hand (`tiles_probe`, trying `ROW_MULTIPLES` in turn) and makes the layer use it
+(`tiled_forward`: its input's rows padded with zeros to the next multiple, the output cut back). The layer's
+class, parameters and ``state_dict`` stay as they are, and `untile_rows` gives it its own forward back.
+
+What this costs: a decode step of one row multiplies the multiple's rows (2: nearly free on weights that stream
+from memory), and a prefill longer than `MAX_ROWS_PER_CALL` tokens is cut into calls of that many rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .int4_linear import Int4Linear
+from .int8_linear import Int8Linear
+from .packed_linear import PackedLinear
+
+ROW_MULTIPLES = (2, 4, 8, 16)
+"""The row multiples `tile_rows` tries for a layer, smallest first: every product of the layer then has a multiple
+of the first one `tiles_probe` accepts (a product of one row, on the CPUs measured, takes another kernel)."""
+MAX_ROWS_PER_CALL = 256
+"""A tiled layer's input of more rows is multiplied in calls of this many (the last one padded to a tile), so the
+kernels see row counts `tiles_probe` checked."""
+TILED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D, Int8Linear, Int4Linear)
+"""The layers `tile_rows` tiles (`PackedLinear` is an `nn.Linear`; transformers' `Conv1D` is GPT-2's linear layer)."""
+_PROBE_ROWS = (1, 2, 7, 16, 17, 64, 300)
+
+
+def tiled_forward(module: nn.Module, multiple: int, x: torch.Tensor) -> torch.Tensor:
+    """`module`'s output for `x` ``[..., K]``, its rows multiplied as whole tiles: padded with zero rows to the next
+    multiple of `multiple`, in calls of at most `MAX_ROWS_PER_CALL` rows, the padding cut off again."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    flat = x.reshape(rows, x.shape[-1])  # [R, K]
+    if rows % multiple or not rows:
+        flat = F.pad(flat, (0, 0, 0, multiple - rows % multiple))  # [R', K]
+    if flat.shape[0] <= MAX_ROWS_PER_CALL:
+        out = module.forward_untiled(flat)  # [R', N]
+    else:
+        out = torch.cat([module.forward_untiled(part) for part in flat.split(MAX_ROWS_PER_CALL)])
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def tile_rows(model: nn.Module) -> int:
+    """Tile the rows of every layer of `model` of the `TILED_TYPES`, in place (idempotent), each with the smallest
+    of `ROW_MULTIPLES` that `tiles_probe` accepts for its kind and shape; returns how many layers it tiled.
+
+    A tiled `PackedLinear` packs every product (``stock_below`` 0): the stock kernel for the smallest calls would
+    make the kernel depend on the rows.
+
+    Raises:
+        RuntimeError: no multiple gives some layer's rows the same bits beside other rows on this machine (then no
+            layer is changed).
+    """
+    dtype = getattr(model, "dtype", torch.float32)  # the activations' dtype
+    layers = [m for m in model.modules() if isinstance(m, TILED_TYPES) and not is_tiled(m)]
+    multiples = [row_multiple(type(layer), *_features(layer), dtype) for layer in layers]
+    for layer, multiple in zip(layers, multiples):
+        if isinstance(layer, PackedLinear):
+            layer.stock_below = 0
+        _install(layer, multiple)
+    return len(layers)
+
+
+def row_multiple(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype) -> int:
+    """The smallest of `ROW_MULTIPLES` whose tiles give a layer of this kind and shape each row's same bits beside
+    any other rows here (`tiles_probe`, at the current thread count).
+
+    Raises:
+        RuntimeError: none does.
+    """
+    threads = torch.get_num_threads()
+    problems = []
+    for multiple in ROW_MULTIPLES:
+        problem = tiles_probe(kind, in_features, out_features, dtype, threads, multiple)
+        if not problem:
+            return multiple
+        problems.append(f"in multiples of {multiple}: {problem}")
+    raise RuntimeError(f"batch-invariant products are not available for {kind.__name__}({in_features}, "
+                       f"{out_features}) in {dtype}: " + "; ".join(problems))
+
+
+def is_tiled(module: nn.Module) -> bool:
+    """Whether `tile_rows` tiled `module`."""
+    return "forward_untiled" in module.__dict__
+
+
+def untile_rows(model: nn.Module) -> int:
+    """Give every layer of `model` that `tile_rows` tiled its class's own forward back; returns how many."""
+    layers = [m for m in model.modules() if is_tiled(m)]
+    for layer in layers:
+        del layer.forward, layer.forward_untiled
+    return len(layers)
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """`layer`'s input and output widths."""
+    if isinstance(layer, Conv1D):
+        return layer.nx, layer.nf
+    return layer.in_features, layer.out_features
+
+
+def _install(layer: nn.Module, multiple: int) -> None:
+    """Route `layer`'s calls through `tiled_forward` in multiples of `multiple` rows (an instance attribute over the
+    class's ``forward``, which ``nn.Module.__call__`` and its hooks go on calling as before)."""
+    layer.forward_untiled = layer.forward  # the class's own product, bound
+    layer.forward = functools.partial(tiled_forward, layer, multiple)
+
+
+@functools.cache
+def tiles_probe(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype, threads: int,
+                multiple: int) -> str:
+    """Why a layer of this kind and shape, tiled in multiples of `multiple` rows, would not give a row of `dtype`
+    the same bits whatever rows share its call, at `threads` threads; "" when it does. Checked on random weights:
+    a row at the start, middle and end of inputs of `_PROBE_ROWS` rows against the row alone. Cached.
+    """
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, even when asked under inference mode
+        return _probe(kind, in_features, out_features, dtype, threads, multiple)
+
+
+def _probe(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype, threads: int,
+           multiple: int) -> str:
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=True, dtype=torch.float32)
+    linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
+    linear.bias.copy_(torch.randn(out_features, generator=generator))
+    layer = _probe_layer(kind, linear, dtype)
+    _install(layer, multiple)
+    row = torch.randn(1, in_features, generator=generator).to(dtype)
+    alone = layer(row)[0]
+    for rows in _PROBE_ROWS:
+        for at in sorted({0, rows // 2, rows - 1}):
+            others = torch.randn(rows, in_features, generator=generator).to(row.dtype)
+            others[at] = row[0]
+            if not torch.equal(layer(others)[at], alone):
+                return f"a row's product changed beside {rows - 1} other rows (at {at}) at {threads} threads"
+    return ""
+
+
+def _probe_layer(kind: type[nn.Module], linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+    """A `kind` layer made from `linear`, taking `dtype` activations, for `tiles_probe`."""
+    if issubclass(kind, PackedLinear):
+        return kind(linear.to(dtype))
+    if issubclass(kind, (Int8Linear, Int4Linear)):
+        return kind(linear)
+    if issubclass(kind, Conv1D):
+        layer = kind(linear.out_features, linear.in_features)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.T)  # [K, N]
+            layer.bias.copy_(linear.bias)
+        return layer.to(dtype)
+    layer = kind(linear.in_features, linear.out_features)  # nn.Linear or a subclass of its signature
+    layer.load_state_dict(linear.state_dict())
+    return layer.to(dtype)
