@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..pool.memory import dense_attention_kinds
 from .decode import DECODE_KERNELS, attend_decode
+from .invariant import attend_invariant
 from .prefill import attend_rows
 from .reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
 from .softmax import explicit_attention
@@ -149,8 +150,13 @@ def attend_from_pool(
     """Attention of `query` ``[B, Hq, q, D]`` over each row's stored keys; returns ``[B, q, Hq, Dv]``.
 
     Padding queries (new tokens that are padding) are not computed: their output is zero.
-    `decode`: how a decode forward's rows attend (one of `DECODE_KERNELS`).
+    `decode`: how a decode forward's rows attend (one of `DECODE_KERNELS`). A batch-invariant cache's inputs
+    attend each query as if alone (`attend_invariant`), whatever `decode` says.
     """
+    if inputs.batch_invariant:
+        if sinks is not None or dropout:
+            raise NotImplementedError("batch-invariant attention supports neither attention sinks nor dropout")
+        return attend_invariant(query, inputs, scaling, softcap)
     if inputs.decode_reads is not None:
         return attend_decode(query, inputs, inputs.decode_reads, scaling, softcap, sinks, dropout, decode)
     return attend_rows(query, inputs, scaling, softcap, sinks, dropout)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
@@ -33,6 +35,35 @@ class RowKeys:
     slots: list[torch.Tensor]  # per row b: [n_b] pool slots of its real keys
     positions: list[torch.Tensor]  # per row b: [n_b] their logical positions
     spans: list[tuple[int, int]]  # per row b: its first and last key position (n_b >= 1 for a row with queries)
+    # key_tile -> ([B, n'] slots, [B, n'] positions): every row's keys from the first column, padded to a multiple
+    # of key_tile positions with the null block's slot 0 (zeros) at a position past every query (`invariant`)
+    _padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # (key_tile, heads, storage slots) -> `row_major`
+    _row_major: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def padded(self, key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, n'], [B, n'])``: every row's slots and positions from the first column, padded at the end to
+        ``n'``, the longest row's count rounded up to `key_tile` (slot 0: the null block, which reads zeros;
+        position: past every query). Made once per forward, by the first layer that asks."""
+        if key_tile not in self._padded:
+            longest = max(max(s.shape[0] for s in self.slots), 1)
+            length = -(-longest // key_tile) * key_tile
+            beyond = 1 << 62  # past any position; a power of two, which the float padding values keep exact
+            slots = pad_sequence(self.slots, batch_first=True, padding_value=0)  # [B, n_max]
+            positions = pad_sequence(self.positions, batch_first=True, padding_value=beyond)
+            self._padded[key_tile] = (F.pad(slots, (0, length - slots.shape[1]), value=0),  # [B, n']
+                                      F.pad(positions, (0, length - positions.shape[1]), value=beyond))
+        return self._padded[key_tile]
+
+    def row_major(self, key_tile: int, heads: int, capacity: int) -> torch.Tensor:
+        """``[B * H * n']``: the rows of a ``[H * capacity, D]`` view of ``[H, capacity, D]`` storage that hold the
+        `padded` slots, row after row, then head after head: one ``index_select`` gives ``[B, H, n', D]``."""
+        key = (key_tile, heads, capacity)
+        if key not in self._row_major:
+            slots = self.padded(key_tile)[0]  # [B, n']
+            offsets = torch.arange(heads, device=slots.device).view(1, heads, 1) * capacity  # [1, H, 1]
+            self._row_major[key] = (offsets + slots.unsqueeze(1)).view(-1)  # [B, H, n'] -> [B * H * n']
+        return self._row_major[key]
 
 
 @dataclass
@@ -146,6 +177,7 @@ class PagedAttentionInputs:
     # (a sliding window longer forward): `row_keys` then covers the past only and the new ones come from here
     new_states: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_reads: DecodeReads | None = None  # a decode forward's (one real new token per row, keys all in the pool)
+    batch_invariant: bool = False  # attend each query as if alone (`invariant`): `row_keys` and `queries` are set
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ def store_layer(
     lock: SharedExclusiveLock,
     attention_kwargs: dict | None,
     needs_grad: bool,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a layer's new K/V into its storage and return what ``cache.update`` returns.
 
@@ -41,6 +42,7 @@ def store_layer(
         attention_kwargs: the dict transformers hands the attention function, when attention reads from the
             pool (``paged_sdpa``): the reads go there and the new K/V are returned unused.
         needs_grad: gradients flow through the new K/V (an empty cache only).
+        batch_invariant: the reads are per row, for attention that computes each query as if alone.
     """
     with lock.shared():  # another thread's forward may grow the pool's tensors in place
         write_new_tokens(keys, key_states, index)
@@ -48,14 +50,14 @@ def store_layer(
         if needs_grad:
             return key_states, value_states  # an empty cache returns the new K/V itself, as DynamicCache
         if attention_kwargs is not None:
-            decode_reads = index.decode_reads(
+            decode_reads = None if batch_invariant else index.decode_reads(
                 offset, window, views=keys.plain is not None and values.plain is not None
             )
             per_row = decode_reads is None  # else a decode forward's rows attend in groups: no per-row index is made
             attention_kwargs[PAGED_INPUTS] = PagedAttentionInputs(
                 keys, values, keys.num_heads, index.row_keys(offset) if per_row else None,
                 index.queries() if per_row else None, window, lock,
-                (key_states, value_states) if index.new_from_states else None, decode_reads,
+                (key_states, value_states) if index.new_from_states else None, decode_reads, batch_invariant,
             )
             return key_states, value_states
         slots = index.read_slots_from(offset)  # [B * kv], keys and values alike

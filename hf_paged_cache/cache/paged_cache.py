@@ -14,6 +14,7 @@ from ..kinds.encoder_decoder import cross_attention_share, is_encoder_decoder
 from ..pool.kv_pool import KVPool
 from ..pool.memory import KVLayout, dense_attention_kinds, parse_memory
 from .batch import PagedBatch
+from .batch_invariance import make_batch_invariant
 from .block_table import BlockTables, RowsView
 from .cross_attention import PagedCrossAttentionCache
 from .encoder_decoder import PagedEncoderDecoderCache
@@ -58,6 +59,9 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         max_sequences: for a model with conv / recurrent states, the sequences a new pool keeps states for
             (one slot each): by default as many as come (elastic), or 64 under `max_memory`, which holds the
             slots (their bytes measured by one forward of one token) and the blocks together.
+        batch_invariant: each row's logits the same bits whatever else shares its forwards, prefill or decode
+            (docs/determinism.md); switches the model for good (`make_batch_invariant`, which raises for a model
+            the mode cannot run); close to the default mode's logits, not bitwise equal.
 
     A forward is all or nothing: it is kept once the whole forward has run (the model's LM head included,
     for a cache built from the model), and if it fails anywhere (an exception, `PoolExhaustedError`), its
@@ -97,6 +101,7 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         manual_commit: bool = False,
         kv_dtype: str | torch.dtype | None = None,
         max_sequences: int | None = None,
+        batch_invariant: bool = False,
     ):
         model = config_or_model if isinstance(config_or_model, PreTrainedModel) else None
         config = model.config if model is not None else config_or_model
@@ -111,6 +116,9 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
             )
         specs = layer_kinds(config)  # raises NotImplementedError for unsupported models
         check_model(config, model, specs)
+        if batch_invariant:
+            make_batch_invariant(model, specs)  # raises for a config, or a model the mode cannot run
+        self.batch_invariant = batch_invariant
         windows = [spec.window for spec in specs]
         # layer kinds no paged attention can run
         self._dense_kinds = dense_attention_kinds(config, [spec.kind.name for spec in specs])
@@ -120,7 +128,8 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.
         # An encoder-decoder's decoder keys depend on the encoder's input too, which no prefix key covers.
         keyed = model is not None and not is_encoder_decoder(config)
-        self.batch = PagedBatch(self.pool, root=prefix_root(model) if keyed else None)
+        # a batch-invariant cache's keys and values differ in their last bits: its blocks are found by its kind only
+        self.batch = PagedBatch(self.pool, root=prefix_root(model) + b"invariant" * batch_invariant if keyed else None)
         self.lifecycle = ForwardLifecycle(self.batch, self.layers, manual_commit, model)
         # [B] after the running forward computed only the distinct rows of its batch: row i repeats computed row
         # rows[i] (`repeat_rows_after_forward`)
@@ -160,6 +169,7 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
             keys, values, key_states, value_states, index,
             layer.window_offset(),  # before this forward's tokens count, as `get_mask_sizes` saw it
             layer.sliding_window, self.pool.storage_lock, attention_kwargs if from_pool else None, needs_grad,
+            self.batch_invariant,
         )
         self.lifecycle.leave(layer, forward)
         return result

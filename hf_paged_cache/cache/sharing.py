@@ -61,7 +61,8 @@ class BlockSharing:
         fork costs no K/V copy, and each side copies at most its partly filled last block when it writes.
         """
         self.lifecycle.drop_unfinished()
-        twin = type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
+        twin = type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit,
+                                      batch_invariant=self.batch_invariant)
         with self.batch.lock:
             self.batch.copy_to(twin.batch)
             for mine, theirs in zip(twin.layers, self.layers):
@@ -70,7 +71,8 @@ class BlockSharing:
 
     def empty_like(self) -> BlockSharing:
         """A new empty cache on the same pool, committing as this one does (a batcher's cache for one request)."""
-        return type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit)
+        return type(self).for_decoder(self._source, pool=self.pool, manual_commit=self.lifecycle.manual_commit,
+                                      batch_invariant=self.batch_invariant)
 
     def __deepcopy__(self, memo: dict) -> BlockSharing:
         """`copy.deepcopy(cache)` (the usual way to reuse a prefilled cache) forks instead of copying the pool."""

@@ -1,0 +1,195 @@
+"""Batch-invariant mode: a row's logits are the same bits whatever else shares its forwards.
+
+The models are wider than the other tests' tiny ones (hidden size 256, 4 query heads of 64 over 2 key/value
+heads): at a hidden size of 64 the CPU kernels give every row the same bits anyway, and the tests would prove
+nothing. `test_the_default_mode_moves_with_the_batch` shows the same checks failing without the mode.
+"""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_paged_cache import ContinuousBatcher, PagedCache
+from hf_paged_cache.kernels.row_tiles import ROW_MULTIPLES, is_tiled, row_multiple, tile_rows, tiles_probe, untile_rows
+
+VOCAB = 512
+NEW_TOKENS = 6
+WIDE = {
+    "llama": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    # query and key norms, head_dim given apart from the hidden size
+    "qwen3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    # multi-head attention (one query head per key/value head), learned positions, transformers' Conv1D layers
+    "gpt2": dict(n_embd=256, n_layer=2, n_head=4, n_positions=512),
+}
+# (rows in the batch, the row the prompt takes)
+BATCHES = [(2, 1), (7, 0), (7, 3), (64, 17), (64, 63)]
+
+
+def wide_model(model_type: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=None, **WIDE[model_type])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def prompt(length: int = 21, seed: int = 5) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def batch_around(target: torch.Tensor, rows: int, at: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of `rows` random prompts of 3 to 40 tokens with `target` as row `at`."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 41, (rows,), generator=generator).tolist()
+    lengths[at] = target.shape[0]
+    width = max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        tokens = target if row == at else torch.randint(3, VOCAB, (length,), generator=generator)
+        input_ids[row, width - length :] = tokens
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+def greedy_logits(model, target: torch.Tensor, rows: int, at: int, invariant: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `at`'s logits ``[NEW_TOKENS, V]`` and new tokens when `target` is generated among `rows` rows."""
+    input_ids, attention_mask = batch_around(target, rows, at, seed=rows * 100 + at)
+    cache = PagedCache(model, batch_invariant=invariant)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                         max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return torch.stack([step[at] for step in out.logits]), out.sequences[at, -NEW_TOKENS:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", list(WIDE))
+def test_a_row_has_the_same_logits_in_any_batch(model_type, dtype):
+    model = wide_model(model_type, dtype)
+    target = prompt()
+    alone, tokens = greedy_logits(model, target, 1, 0, invariant=True)
+    for rows, at in BATCHES:
+        logits, new = greedy_logits(model, target, rows, at, invariant=True)
+        assert torch.equal(logits, alone), f"row {at} of {rows}"
+        assert torch.equal(new, tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_default_mode_moves_with_the_batch(dtype):
+    """The same checks without the mode: the logits move (so the test above can fail), by float rounding only."""
+    model = wide_model("llama", dtype)
+    target = prompt()
+    alone, _ = greedy_logits(model, target, 1, 0, invariant=False)
+    moved = [not torch.equal(greedy_logits(model, target, rows, at, invariant=False)[0], alone) for rows, at in BATCHES]
+    if not any(moved):
+        pytest.skip("this machine's kernels give these rows the same bits in any batch even without the mode")
+    invariant, _ = greedy_logits(wide_model("llama", dtype), target, 1, 0, invariant=True)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(invariant.float(), alone.float(), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_scoring_a_text_gives_the_logits_it_was_generated_with(model_type, dtype):
+    """Prefill equals decode: the generated text scored in one forward, or in two chunks, gives each token's
+    logits as they were when it was picked."""
+    model = wide_model(model_type, dtype)
+    target = prompt()
+    generated, tokens = greedy_logits(model, target, 1, 0, invariant=True)
+    text = torch.cat([target, tokens]).unsqueeze(0)  # [1, P + N]
+    picked = slice(target.shape[0] - 1, target.shape[0] - 1 + NEW_TOKENS)  # the positions that picked them
+    with torch.no_grad():
+        whole = model(input_ids=text, cache=PagedCache(model, batch_invariant=True)).logits[0]
+        cache = PagedCache(model, batch_invariant=True)
+        chunks = torch.cat([model(input_ids=part, cache=cache).logits[0] for part in text.split([13, 14], 1)])
+    assert torch.equal(whole[picked], generated)
+    assert torch.equal(chunks[picked], generated)
+
+
+def test_the_batcher_gives_a_request_the_same_logprobs_alone_and_amid_others():
+    """Through the continuous batcher: alone, amid 11 other requests (packed steps, chunks, other rows), as a
+    prefix hit, and with n-gram speculation, a request's log-probabilities are the same bits; scored afterwards
+    (``prompt_logprobs``), its text gives the numbers it was generated with."""
+    model = wide_model("llama")
+    target = prompt(length=40).tolist()
+    others = [prompt(length=10 + 3 * i, seed=i).tolist() for i in range(11)]
+
+    def run(batcher, **kwargs):
+        handle = batcher.submit(target, max_new_tokens=NEW_TOKENS, logprobs=2, **kwargs)
+        return handle.result(timeout=120), handle.logprobs
+
+    with ContinuousBatcher(model, block_size=16, max_step_tokens=48, batch_invariant=True) as batcher:
+        tokens, alone = run(batcher)
+        assert batcher.stats().prefix_hit_tokens == 0
+        hit = run(batcher)  # its blocks are cached now
+        assert batcher.stats().prefix_hit_tokens > 0
+        crowd = [batcher.submit(p, max_new_tokens=8) for p in others]
+        amid = run(batcher)
+        for handle in crowd:
+            handle.result(timeout=120)
+        scored = batcher.submit(target + tokens, max_new_tokens=1, prompt_logprobs=0)
+        scored.result(timeout=120)
+    with ContinuousBatcher(model, block_size=16, batch_invariant=True, speculative="ngram") as batcher:
+        speculated = run(batcher)
+    for result in (hit, amid, speculated):
+        assert result == (tokens, alone)
+    picked = scored.prompt_logprobs[len(target) - 1 :]  # the generated tokens, scored
+    assert [lp.logprob for lp in picked] == [lp.logprob for lp in alone]
+
+
+def test_models_the_mode_cannot_run_fail_clearly():
+    with pytest.raises(ValueError, match="needs the model"):
+        PagedCache(wide_model("llama").config, batch_invariant=True)
+    config = AutoConfig.for_model("mistral", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=12)
+    mistral = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        PagedCache(mistral, batch_invariant=True)
+    assert not any(is_tiled(m) for m in mistral.modules())  # refused before anything changed
+
+
+def test_tiles_change_neither_the_layers_nor_their_weights():
+    model = wide_model("llama")
+    keys = list(model.state_dict())
+    rows = torch.randn(3, 5, 256)
+    layer = model.model.layers[0].mlp.up_proj
+    before = layer(rows)
+    assert tile_rows(model) == 2 * 7 + 1  # 7 linear layers per decoder layer and the output head
+    assert tile_rows(model) == 0  # idempotent
+    assert is_tiled(layer) and type(layer) is nn.Linear and list(model.state_dict()) == keys
+    torch.testing.assert_close(layer(rows), before)
+    assert layer(rows).shape == (3, 5, 768)
+    assert untile_rows(model) == 15 and not is_tiled(layer)
+
+
+class RowCountLinear(nn.Linear):
+    """A linear layer whose products depend on how many rows share the call, as some kernels' rounding does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1e-3 * (x.numel() // x.shape[-1] > max(ROW_MULTIPLES))
+
+
+def test_a_kernel_that_depends_on_the_batch_is_refused():
+    threads = torch.get_num_threads()
+    assert tiles_probe(nn.Linear, 256, 768, torch.float32, threads, max(ROW_MULTIPLES)) == ""
+    assert "changed beside" in tiles_probe(RowCountLinear, 256, 768, torch.float32, threads, max(ROW_MULTIPLES))
+    with pytest.raises(RuntimeError, match="not available for RowCountLinear"):
+        row_multiple(RowCountLinear, 256, 768, torch.float32)
+    model = nn.Sequential(nn.Linear(256, 768), RowCountLinear(256, 768))
+    with pytest.raises(RuntimeError, match="not available"):
+        tile_rows(model)
+    assert not any(is_tiled(layer) for layer in model)  # nothing changed
+
+
+def test_the_mode_can_be_asked_for_under_inference_mode():
+    """The probes build their layers outside inference mode (a packed layer tracks its weight's version)."""
+    from hf_paged_cache.kernels import pack_linears
+
+    model = wide_model("llama")
+    pack_linears(model)
+    tiles_probe.cache_clear()
+    with torch.inference_mode():
+        PagedCache(model, batch_invariant=True).release()
+    assert all(is_tiled(m) for m in model.modules() if isinstance(m, nn.Linear))
