@@ -105,6 +105,9 @@ class ContinuousBatcher:
             ones for a seed. A model (a smaller one with the same tokenizer) drafts its own greedy
             continuation instead (`hf_paged_cache.speculative.draft_model`); a `Speculator` of your own sets
             how. None (the default) or ``"off"``: one token per row and step.
+        batch_invariant: each request's logits the same bits whatever other requests share its steps, and the
+            same when a prompt is scored as when its tokens were generated (`PagedCache`'s ``batch_invariant``:
+            switches the model for good).
 
     `submit` is thread-safe and starts the loop on first use. `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back. A batcher dropped without `close` finishes the requests
@@ -128,6 +131,7 @@ class ContinuousBatcher:
         kv_dtype: str | torch.dtype | None = None,
         speculative: str | PreTrainedModel | Speculator | None = None,
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+        batch_invariant: bool = False,
     ):
         if not isinstance(speculative, (Speculator, PreTrainedModel)) and speculative not in (None, "off", "ngram"):
             raise ValueError(
@@ -151,7 +155,7 @@ class ContinuousBatcher:
         sequences = None if pool is not None or max_memory is None else max_running  # a budget's state slots
         running_cache = PagedCache(
             model, block_size=block_size, num_blocks=num_blocks, max_memory=max_memory, pool=pool, manual_commit=True,
-            kv_dtype=kv_dtype, max_sequences=sequences,
+            kv_dtype=kv_dtype, max_sequences=sequences, batch_invariant=batch_invariant,
         )
         if encoder_decoder:
             running_cache.cross_attention_cache.keep_reads = True  # dense between steps, following the rows
@@ -407,7 +411,7 @@ def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torc
 
 _BATCHER_ARGUMENTS = (
     "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_waiting", "max_step_tokens", "tokenizer",
-    "reserve_new_tokens", "pack_steps", "kv_dtype",
+    "reserve_new_tokens", "pack_steps", "kv_dtype", "batch_invariant",
 )
 
 

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the pool stores keys and values: int8 or float8_e4m3fn (8 bits and their scales "
                              "per token and head: about 3.5x the tokens of float32 in --max-memory), bfloat16, float16 "
                              "(default: as the model computes them, exact)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="each request's logits the same bits whatever other requests share its steps, and the "
+                             "same when its text is scored (echo) as when it was generated (docs/determinism.md)")
     parser.add_argument("--max-running", type=_positive, help="most requests in flight at once (default: 64)")
     parser.add_argument("--max-waiting", type=_positive, default=256,
                         help="most requests waiting to start; more get 429 (default: 256)")
@@ -258,6 +261,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
         speculative=_speculative_option(options, dtype, model), speculative_tokens=options.speculative_tokens,
+        batch_invariant=options.batch_invariant,
     )
     _log_pool(batcher)
     if options.flex_decode:
