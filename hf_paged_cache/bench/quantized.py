@@ -51,15 +51,16 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def greedy_run(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int
-               ) -> tuple[float, float, torch.Tensor]:
+def greedy_run(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *,
+               batch_invariant: bool = False) -> tuple[float, float, torch.Tensor]:
     """The first token's seconds (the prompt's forward), a decode step's seconds (``(whole - first) / (new - 1)``)
-    and the new tokens ``[rows, new]``, with a `PagedCache`: one run of 1 token, then one of `new_tokens`."""
-    with PagedCache(model) as cache, torch.inference_mode():
+    and the new tokens ``[rows, new]``, with a `PagedCache` (`batch_invariant` as given): one run of 1 token, then
+    one of `new_tokens`."""
+    with PagedCache(model, batch_invariant=batch_invariant) as cache, torch.inference_mode():
         start = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False)
         first = time.perf_counter() - start
-    with PagedCache(model) as cache, torch.inference_mode():
+    with PagedCache(model, batch_invariant=batch_invariant) as cache, torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False)
