@@ -4,7 +4,7 @@ Whether a request may start at all (`never_fits`), whether it should wait for a 
 computing (`waits_for_prefix`), whether it fits now without reservation (`fits_with_headroom`; with
 reservation, `admission.pool_holds`), whether a running request can never grow (`fills_a_group`), where a
 prompt chunk of a model with states ends (`snapshot_chunk_end`), and which cached prefix a request starts from
-(`start_from_prefix`).
+(`start_from_prefix`; a request that asks for its prompt's log-probabilities, `start_from_scores`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..errors import PoolExhaustedError
 if TYPE_CHECKING:
     from ..cache.paged_cache import PagedCache
     from ..pool.kv_pool import KVPool
+    from .prompt_scores import PromptScores
     from .request import Request
 
 
@@ -101,3 +102,40 @@ def start_from_prefix(cache: PagedCache, request: Request) -> int:
         cache.release()
         done = cache.reuse_prefix(torch.tensor([tokens[: allowed + 1]])) if allowed else 0
     return done
+
+
+def starts_from_cache(request: Request, scores: PromptScores | None) -> bool:
+    """Whether `request` starts from the pool's prefix cache: unless its prompt's log-probabilities are asked for
+    (cached blocks hold keys and values, not logits), or, when they are, `scores` may hold them (`reuses_scores`)."""
+    return request.takes_cached_prefix or reuses_scores(request, scores)
+
+
+def start_from_cache(cache: PagedCache, request: Request, scores: PromptScores | None) -> int:
+    """Fill `request`'s empty `cache` with what the pool has cached of its tokens (`start_from_prefix`, or, when its
+    prompt's log-probabilities are asked for, `start_from_scores`) and return how many positions it starts from."""
+    if request.takes_cached_prefix:
+        return start_from_prefix(cache, request)
+    return start_from_scores(cache, request, scores) if reuses_scores(request, scores) else 0
+
+
+def reuses_scores(request: Request, scores: PromptScores | None) -> bool:
+    """Whether `request` may start from the prompt log-probabilities `scores` holds: it asks for them (and has not
+    all) and reads no images (its blocks are keyed by their digests too). A batcher whose model keeps states, which
+    cannot be cut back one position, has no `scores`."""
+    return scores is not None and request.needs_prompt_logprobs and request.media is None
+
+
+def start_from_scores(cache: PagedCache, request: Request, scores: PromptScores) -> int:
+    """Fill `request`'s empty `cache` with the longest prefix of its prompt whose keys and values the pool holds and
+    whose log-probabilities `scores` holds, record those, and return how many positions it starts from: the prefix
+    less its last position, which is computed again (its logits give the next token's log-probability)."""
+    known = scores.lookup(request.prompt, request.prompt_logprobs_k)  # tokens 1 .. len(known)
+    if not known:
+        return 0
+    done = cache.reuse_prefix(torch.tensor([request.prompt[: len(known) + 2]]))  # whole blocks, at most len(known) + 1
+    if done == 0:
+        return 0
+    cache.crop(-1)
+    request.add_prompt_logprobs(known[: done - 1], first=1)
+    return done - 1
+

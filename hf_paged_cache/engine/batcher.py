@@ -36,6 +36,7 @@ from .encoder_inputs import check_positions, encoder_input
 from .executor import StepExecutor
 from .inbox import Inbox
 from .media import media_input
+from .prompt_scores import PromptScores
 from .request import Request, RequestHandle
 from .roles import StepRoles
 from .scheduler import Scheduler
@@ -44,6 +45,8 @@ from .validation import flat_token_ids
 
 DEFAULT_MAX_STEP_TOKENS = 512
 DEFAULT_MAX_RUNNING = 64
+PROMPT_SCORE_BLOCKS = 8192
+"""The blocks of prompt log-probabilities a batcher keeps (131,072 tokens at 16 a block), least recently used out."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class ContinuousBatcher:
         batch_invariant: each request's logits the same bits whatever other requests share its steps, and the
             same when a prompt is scored as when its tokens were generated (`PagedCache`'s ``batch_invariant``:
             switches the model for good).
+        reuse_prompt_scores: keep the prompt log-probabilities requests ask for (``prompt_logprobs``) by block, so
+            that a later prompt starting with the same blocks takes them and computes only the rest
+            (`engine.prompt_scores`; up to `PROMPT_SCORE_BLOCKS` blocks); False computes every such prompt whole.
+            Bitwise what a computation gives again in batch-invariant mode; in the default mode the numbers
+            the first computation gave.
 
     `submit` is thread-safe and starts the loop on first use. `close` (or leaving ``with``) stops it, fails
     unfinished requests and gives every block back. A batcher dropped without `close` finishes the requests
@@ -132,6 +140,7 @@ class ContinuousBatcher:
         speculative: str | PreTrainedModel | Speculator | None = None,
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
         batch_invariant: bool = False,
+        reuse_prompt_scores: bool = True,
     ):
         if not isinstance(speculative, (Speculator, PreTrainedModel)) and speculative not in (None, "off", "ngram"):
             raise ValueError(
@@ -201,6 +210,8 @@ class ContinuousBatcher:
             max_running=max_running,
             max_step_tokens=as_count("max_step_tokens", max_step_tokens or DEFAULT_MAX_STEP_TOKENS, 1),
             reserve_new_tokens=reserve_new_tokens,
+            prompt_scores=None if encoder_decoder or running_cache.keeps_states or not reuse_prompt_scores
+            else PromptScores(block_size, PROMPT_SCORE_BLOCKS),
         )
         self._executor = StepExecutor(model)
         # blocks freed by any cache on the pool wake a loop that waits for room (held weakly by the pool)
@@ -411,7 +422,7 @@ def generate_many(model: PreTrainedModel, prompts: Sequence[Sequence[int] | torc
 
 _BATCHER_ARGUMENTS = (
     "pool", "num_blocks", "max_memory", "block_size", "max_running", "max_waiting", "max_step_tokens", "tokenizer",
-    "reserve_new_tokens", "pack_steps", "kv_dtype", "batch_invariant",
+    "reserve_new_tokens", "pack_steps", "kv_dtype", "batch_invariant", "reuse_prompt_scores",
 )
 
 

@@ -32,8 +32,9 @@ The choices of one prompt (`ContinuousBatcher.submit_group`) wait, prefill and a
 their leader with its followers: the prompt is computed once, each choice picks its first token from its
 last logits, and each joins the running batch in a row that shares the prompt's blocks (copy-on-write); from
 then on each is a request of its own. Cancelling a choice leaves the others as they are: a follower takes the
-lead when the leader goes. A prompt whose log-probabilities are asked for is computed whole, never taken from
-the prefix cache (cached blocks hold keys and values, not logits).
+lead when the leader goes. A prompt whose log-probabilities are asked for starts from the prefix cache only as
+far as `prompt_scores` holds its blocks' log-probabilities (cached blocks hold keys and values, not logits), and
+keeps them there for the prompts that follow (`engine.prompt_scores`); without it, it is computed whole.
 
 Only the loop's thread calls the scheduler. Other threads read `counts`, replaced whole after each step.
 """
@@ -56,12 +57,14 @@ from .admission_rules import (
     larger_than_pool,
     never_fits,
     snapshot_chunk_end,
-    start_from_prefix,
+    start_from_cache,
+    starts_from_cache,
     waits_for_prefix,
 )
 from .inbox import Inbox
 from .outcomes import Counts, Outcomes
 from .plan import Chunk, StepPlan
+from .prompt_scores import PromptScores, record_prompt_logprobs
 from .request import Request
 from .roles import StepRoles
 from .step_result import StepResult
@@ -101,8 +104,10 @@ class Scheduler:
         max_running: int,
         max_step_tokens: int,
         reserve_new_tokens: bool,
+        prompt_scores: PromptScores | None = None,
     ):
         self.model = model
+        self.prompt_scores = prompt_scores  # prompt log-probabilities by block, kept for the prompts that follow
         self.running_cache = running_cache  # one row per running request (manual_commit: the executor commits)
         self.pool = running_cache.pool
         self.inbox = inbox
@@ -192,7 +197,7 @@ class Scheduler:
         members = request.group
         picked = [member for member in members if member in result.choices]
         if request in result.kept:
-            self._record_prompt_logprobs(request, result)
+            record_prompt_logprobs(request, result, self.prompt_scores)
             prefill.done += len(chunk.tokens)
             return
         if not (picked or request in result.failures or request in result.exhausted):
@@ -208,7 +213,7 @@ class Scheduler:
             for member in members:
                 self.outcomes.finish(member, result.failures.get(member, cause))
             return
-        self._record_prompt_logprobs(request, result)
+        record_prompt_logprobs(request, result, self.prompt_scores)
         request.followers = []  # from here on each choice is a request of its own
         joining = []
         for member in members:
@@ -229,11 +234,6 @@ class Scheduler:
             self.running.append(joining[-1])
         else:
             prefill.cache.release()
-
-    def _record_prompt_logprobs(self, request: Request, result: StepResult) -> None:
-        if request in result.prompt_logprobs:
-            first, computed = result.prompt_logprobs[request]
-            request.add_prompt_logprobs(computed, first)
 
     # ------------------------------------------------------------------ admission
 
@@ -262,15 +262,15 @@ class Scheduler:
             self.waiting.popleft()
             self._left_queue(request)
             cache = self.running_cache.empty_like()
-            done = start_from_prefix(cache, request) if request.takes_cached_prefix else 0
+            done = start_from_cache(cache, request, self.prompt_scores)
             self.outcomes.tally["prefix_hit_tokens"] += done
             self.prefilling.append(Prefill(request, cache, done))
         self.waiting.extendleft(reversed(waiting_for_prefix))
 
     def _prefix_in_progress(self, request: Request) -> bool:
         """Whether `request` should wait for full blocks a prefilling request is computing (`waits_for_prefix`)."""
-        if not request.takes_cached_prefix or self.running_cache.keeps_states:  # states: no prefix to wait for
-            return False
+        if not starts_from_cache(request, self.prompt_scores) or self.running_cache.keeps_states:
+            return False  # states: no prefix to wait for
         prefilling = ((prefill.request.key_tokens, prefill.done) for prefill in self.prefilling)
         return waits_for_prefix(request.key_tokens, prefilling, self.pool.block_size)
 

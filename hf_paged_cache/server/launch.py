@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="each request's logits the same bits whatever other requests share its steps, and the "
                              "same when its text is scored (echo) as when it was generated (docs/determinism.md)")
+    parser.add_argument("--reuse-prompt-scores", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep scored prompts' log-probabilities (echo, prompt_logprobs) by block, so a prompt "
+                             "that starts with the same blocks computes only the rest (default: on)")
     parser.add_argument("--max-running", type=_positive, help="most requests in flight at once (default: 64)")
     parser.add_argument("--max-waiting", type=_positive, default=256,
                         help="most requests waiting to start; more get 429 (default: 256)")
@@ -261,7 +264,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         max_running=options.max_running, max_waiting=options.max_waiting, max_step_tokens=options.max_step_tokens,
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
         speculative=_speculative_option(options, dtype, model), speculative_tokens=options.speculative_tokens,
-        batch_invariant=options.batch_invariant,
+        batch_invariant=options.batch_invariant, reuse_prompt_scores=options.reuse_prompt_scores,
     )
     _log_pool(batcher)
     if options.flex_decode:
