@@ -12,10 +12,11 @@ per row and key/value head), a longer forward each row's queries in tiles of one
 appends exact zeros to every sum, and the products sum each row of theirs in an order that neither the other
 rows nor the padding change: so a query's output depends on its row's keys and values and nothing else, alone or
 among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
-`attention_probe` checks the kernels' part of that on the machine at hand, for the shapes used.
+On a sliding-window layer the keys outside a query's window are masked wherever they sit, which adds zeros in front
+as well. `attention_probe` checks the kernels' part of all that on the machine at hand, for the shapes used.
 
-The price: no fused kernel, and a prefill attends row by row.
-Sliding windows, attention sinks and dropout are not supported here (a clear error says so).
+The price: no fused kernel, and a prefill attends row by row. Attention sinks and dropout are not supported here
+(a clear error says so).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..pool.kv_format import StoredStates
-from .reads import PagedAttentionInputs, RowKeys
+from .reads import PAST_EVERY_QUERY, PagedAttentionInputs, RowKeys
 
 KEY_TILE = 16
 """Every query attends over a multiple of this many key positions (its row's, then masked zeros)."""
@@ -51,29 +52,22 @@ def attend_invariant(
     A forward of one new token per row attends all its rows in one pair of products (one batch entry per row and
     key/value head); a longer one attends row by row, each row's queries in tiles of one product each.
 
-    Raises:
-        NotImplementedError: a sliding-window layer.
+    On a sliding-window layer a query sees the keys inside its window: the others are masked, wherever they sit.
     """
-    if inputs.window is not None or inputs.new_states is not None:
-        raise NotImplementedError(
-            f"batch-invariant attention does not support sliding-window layers (window {inputs.window})"
-        )
     batch_size, query_heads, query_length, head_dim = query.shape
     heads = inputs.num_kv_heads
-    call = _Call(heads, query_heads // heads, scaling if scaling is not None else head_dim ** -0.5, softcap)
+    call = _Call(heads, query_heads // heads, scaling if scaling is not None else head_dim ** -0.5, softcap,
+                 inputs.window)
     out = query.new_zeros(batch_size, query_length, query_heads, inputs.values.dim)
-    key_positions = inputs.row_keys.padded(KEY_TILE)[1]  # [B, n']
-    with inputs.lock.shared():
-        keys = _row_states(inputs.keys, inputs.row_keys, batch_size)  # [B, H, n', D]
-        values = _row_states(inputs.values, inputs.row_keys, batch_size)  # [B, H, n', Dv]
+    keys, values, key_positions = _keys_of_rows(inputs, batch_size)  # [B, H, n', D], [B, H, n', Dv], [B, n']
     spans, picked, positions = inputs.queries.spans, inputs.queries.picked, inputs.queries.positions
     real = [b for b in range(batch_size) if spans[b] is not None]
     if query_length == 1 and real:
         rows = None if len(real) == batch_size else torch.tensor(real, device=query.device)  # None: every row
         own = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         items = call.head_rows(own(query).view(-1, heads, 1, call.groups, head_dim))  # [B', H, G, D]
-        seen = own(key_positions) <= positions[0]  # [B', n']
-        attended = call.attend(items, own(keys), own(values), seen[:, None, None, :])  # [B', H, g, Dv]
+        seen = call.seen(own(key_positions), positions[:1])  # [B', 1, n']
+        attended = call.attend(items, own(keys), own(values), seen.unsqueeze(1))  # [B', H, g, Dv]
         out[real if rows is not None else slice(None), 0] = attended.reshape(len(real), query_heads, -1).to(out.dtype)
         return out
     for b in real:
@@ -84,7 +78,7 @@ def attend_invariant(
         for start in range(0, own.shape[0], tile):
             part = slice(start, start + tile)
             items = call.head_rows(row_query[:, :, part])  # [1, H, t * G, D]
-            seen = key_positions[b] <= positions[own[part]].unsqueeze(1)  # [t, n']
+            seen = call.seen(key_positions[b], positions[own[part]])  # [t, n']
             mask = seen.view(1, 1, -1, 1, seen.shape[1]).expand(-1, -1, -1, call.padded_groups, -1)
             attended = call.attend(items, keys[b : b + 1], values[b : b + 1], mask.flatten(2, 3))  # [1, H, t * g, Dv]
             attended = attended.view(heads, -1, call.groups, attended.shape[-1]).transpose(0, 1)  # [t, H, g, Dv]
@@ -100,6 +94,14 @@ class _Call:
     groups: int  # g: query heads per key/value head
     scale: float
     softcap: float | None
+    window: int | None = None  # a sliding-window layer's window
+
+    def seen(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """``[t, n']`` (``[N, 1, n']`` for keys ``[N, n']`` and one query): True where a query at `query_positions`
+        ``[t]`` sees a key at `key_positions` ``[n']``: causal, and inside the window."""
+        keys, queries = key_positions.unsqueeze(-2), query_positions.unsqueeze(-1)  # [..., 1, n'], [t, 1]
+        seen = keys <= queries
+        return seen if self.window is None else seen & (keys > queries - self.window)
 
     @property
     def padded_groups(self) -> int:
@@ -122,6 +124,28 @@ class _Call:
         attended = torch.matmul(weights, values)  # [N, H, t * G, Dv]
         rows = attended.shape[2] // self.padded_groups
         return attended.unflatten(2, (rows, self.padded_groups))[:, :, :, : self.groups].flatten(2, 3)
+
+
+def _keys_of_rows(inputs: PagedAttentionInputs, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's keys ``[B, H, n', D]``, values ``[B, H, n', Dv]`` and their positions ``[B, n']``: its stored
+    keys (`RowKeys.padded`: padding at the end, at a position no query sees), then, in a forward whose new tokens
+    are not all stored (a sliding window's forward longer than it keeps), every new token's as the layer computed
+    it (a padding token's at a position no query sees)."""
+    positions = inputs.row_keys.padded(KEY_TILE)[1]  # [B, n']
+    with inputs.lock.shared():
+        keys = _row_states(inputs.keys, inputs.row_keys, batch_size)  # [B, H, n', D]
+        values = _row_states(inputs.values, inputs.row_keys, batch_size)  # [B, H, n', Dv]
+    if inputs.new_states is None:
+        return keys, values, positions
+    queries = inputs.queries
+    new_positions = queries.positions.unsqueeze(0).repeat(batch_size, 1)  # [B, q]
+    for b, picked in enumerate(queries.picked):
+        if picked is not None:  # some of the row's new tokens are padding
+            real = torch.zeros(new_positions.shape[1], dtype=torch.bool, device=new_positions.device)
+            new_positions[b] = new_positions[b].where(real.index_fill(0, picked, True), PAST_EVERY_QUERY)
+    new_keys, new_values = inputs.new_states  # [B, H, q, D], [B, H, q, Dv]
+    return (torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2),
+            torch.cat([positions, new_positions], dim=1))
 
 
 def _row_states(storage: StoredStates, row_keys: RowKeys, batch_size: int) -> torch.Tensor:
@@ -156,16 +180,17 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
     query = random(heads, groups, head_dim)
     keys, values = random(heads, length, head_dim), random(heads, length, head_dim)
 
-    def attend(rows: int, tile: int, at: int, padded: int) -> torch.Tensor:
-        """The query's output as query `at` of a tile of `tile` (rows == 1) or in row `at` of `rows`."""
+    def attend(rows: int, tile: int, at: int, padded: int, lead: int = 0) -> torch.Tensor:
+        """The query's output as query `at` of a tile of `tile` (rows == 1) or in row `at` of `rows`, its keys after
+        `lead` masked ones (a sliding window's)."""
         queries = random(rows, heads, tile, groups, head_dim)
         own_keys, own_values = random(rows, heads, padded, head_dim), random(rows, heads, padded, head_dim)
         row, column = (at, 0) if rows > 1 else (0, at)
         queries[row, :, column] = query
-        own_keys[row] = F.pad(keys, (0, 0, 0, padded - length))  # [H, n', D]: zeros past the real keys
-        own_values[row] = F.pad(values, (0, 0, 0, padded - length))
+        own_keys[row] = F.pad(keys, (0, 0, lead, padded - length - lead))  # [H, n', D]: zeros around the real keys
+        own_values[row] = F.pad(values, (0, 0, lead, padded - length - lead))
         seen = torch.ones(rows, 1, tile * call.padded_groups, padded, dtype=torch.bool)
-        seen[row, :, :, length:] = False
+        seen[row, :, :, :lead] = seen[row, :, :, lead + length :] = False
         out = call.attend(call.head_rows(queries), own_keys, own_values, seen)  # [rows, H, tile * g, Dv]
         return out[row].unflatten(1, (tile, groups))[:, column]  # [H, g, Dv]
 
@@ -176,4 +201,7 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
                 if not torch.equal(attend(rows, tile, at, padded), alone):
                     where = f"row {at} of {rows}" if rows > 1 else f"query {at} of a tile of {tile}"
                     return f"a query's attention changed as {where}, keys padded to {padded}, at {threads} threads"
+    for lead in (5, 16, 240):
+        if not torch.equal(attend(1, 1, 0, 320, lead), alone):
+            return f"a query's attention changed after {lead} masked keys, at {threads} threads"
     return ""

@@ -24,6 +24,9 @@ from ..pool.kv_format import StoredStates
 from ..pool.locks import SharedExclusiveLock
 from .flex_decode import BlockRows, FlexDecodeReads, build_flex_decode_reads
 
+PAST_EVERY_QUERY = 1 << 62
+"""A key position no query sees: what padding keys are given (a power of two, which float padding values keep
+exact)."""
 PAGED_INPUTS = "paged_attention_inputs"
 """The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
 
@@ -48,7 +51,7 @@ class RowKeys:
         if key_tile not in self._padded:
             longest = max(max(s.shape[0] for s in self.slots), 1)
             length = -(-longest // key_tile) * key_tile
-            beyond = 1 << 62  # past any position; a power of two, which the float padding values keep exact
+            beyond = PAST_EVERY_QUERY
             slots = pad_sequence(self.slots, batch_first=True, padding_value=0)  # [B, n_max]
             positions = pad_sequence(self.positions, batch_first=True, padding_value=beyond)
             self._padded[key_tile] = (F.pad(slots, (0, length - slots.shape[1]), value=0),  # [B, n']

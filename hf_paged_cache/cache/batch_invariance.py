@@ -18,17 +18,18 @@ from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..kernels.row_tiles import tile_rows
 from ..kinds import LayerSpec
 from ..kinds.encoder_decoder import is_encoder_decoder
+from ..pool.kv_pool import KVPool
 
 
-def make_batch_invariant(model: PreTrainedModel | None, specs: list[LayerSpec]) -> None:
-    """Make `model` (whose cache layers are `specs`) compute every row's logits independently of the other rows,
+def make_batch_invariant(model: PreTrainedModel | None, specs: list[LayerSpec], pool: KVPool) -> None:
+    """Make `model` (whose cache layers are `specs`, its keys and values in `pool`) compute every row's logits independently of the other rows,
     in place and for good: its attention becomes ``paged_sdpa`` (which a batch-invariant `PagedCache` makes attend
     each query alone) and its linear layers multiply whole tiles of rows (`tile_rows`). Idempotent.
 
     Raises:
         ValueError: `model` is None (a cache built from a config).
-        NotImplementedError: a model this mode cannot run: encoder-decoder, sliding-window, recurrent or
-            dense-only layers, or attention sinks.
+        NotImplementedError: a model this mode cannot run: encoder-decoder, recurrent or dense-only layers,
+            attention sinks, or sliding windows over keys and values stored in another format than computed.
         RuntimeError: this machine's kernels fail the mode's probes (`attention_probe`, `tiles_probe`).
     """
     if model is None:
@@ -41,8 +42,11 @@ def make_batch_invariant(model: PreTrainedModel | None, specs: list[LayerSpec]) 
                      if spec.kind.state or spec.kind.dense_only or not spec.kind.tokens})
     if others:
         raise NotImplementedError(f"batch-invariant mode supports attention layers only; {name!r} has {others} layers")
-    if any(spec.window is not None for spec in specs):
-        raise NotImplementedError(f"batch-invariant mode does not support sliding-window layers ({name!r})")
+    if any(spec.window is not None for spec in specs) and pool.kv_format.storage != pool.dtype:
+        raise NotImplementedError(  # a window's long forward attends its new keys as computed, not as stored
+            f"batch-invariant mode keeps a sliding-window model's keys and values as computed: {name!r} cannot "
+            f"store them as {pool.kv_format.name}"
+        )
     text = config.get_text_config(decoder=True)
     if getattr(text, "attention_sink", None) or "gpt_oss" in name:
         raise NotImplementedError(f"batch-invariant mode does not support attention sinks ({name!r})")

@@ -116,13 +116,13 @@ class PagedCache(BlockSharing, StateAccess, IndexerAccess, ForwardControl, Cache
             )
         specs = layer_kinds(config)  # raises NotImplementedError for unsupported models
         check_model(config, model, specs)
-        if batch_invariant:
-            make_batch_invariant(model, specs)  # raises for a config, or a model the mode cannot run
-        self.batch_invariant = batch_invariant
         windows = [spec.window for spec in specs]
         # layer kinds no paged attention can run
         self._dense_kinds = dense_attention_kinds(config, [spec.kind.name for spec in specs])
         self.pool = _pool_for(config, model, windows, pool, block_size, num_blocks, max_memory, kv_dtype, max_sequences)
+        if batch_invariant:
+            make_batch_invariant(model, specs, self.pool)  # raises for a config, or a model the mode cannot run
+        self.batch_invariant = batch_invariant
         self._source = config_or_model  # what fork() builds its twin from
         super().__init__(layers=[_layer_for(self, idx, spec) for idx, spec in enumerate(specs)])
         # Blocks are keyed by prefix only for a model-built cache: the key's root stands for the model's weights.

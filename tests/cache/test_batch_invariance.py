@@ -23,6 +23,13 @@ WIDE = {
                   num_key_value_heads=2, head_dim=64),
     # multi-head attention (one query head per key/value head), learned positions, transformers' Conv1D layers
     "gpt2": dict(n_embd=256, n_layer=2, n_head=4, n_positions=512),
+    # sliding windows shorter than the prompts (a long forward attends new keys that the window does not store)
+    "mistral": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, sliding_window=12),
+    # sliding and full layers, soft-capped attention logits
+    "gemma3_text": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, sliding_window=12, query_pre_attn_scalar=64,
+                        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0),
 }
 # (rows in the batch, the row the prompt takes)
 BATCHES = [(2, 1), (7, 0), (7, 3), (64, 17), (64, 63)]
@@ -91,7 +98,7 @@ def test_the_default_mode_moves_with_the_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mistral"])
 def test_scoring_a_text_gives_the_logits_it_was_generated_with(model_type, dtype):
     """Prefill equals decode: the generated text scored in one forward, or in two chunks, gives each token's
     logits as they were when it was picked."""
@@ -142,12 +149,16 @@ def test_the_batcher_gives_a_request_the_same_logprobs_alone_and_amid_others():
 def test_models_the_mode_cannot_run_fail_clearly():
     with pytest.raises(ValueError, match="needs the model"):
         PagedCache(wide_model("llama").config, batch_invariant=True)
-    config = AutoConfig.for_model("mistral", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=12)
-    mistral = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        PagedCache(mistral, batch_invariant=True)
+    mistral = wide_model("mistral")
+    with pytest.raises(NotImplementedError, match="sliding-window model's keys and values as computed"):
+        PagedCache(mistral, batch_invariant=True, kv_dtype="int8")
     assert not any(is_tiled(m) for m in mistral.modules())  # refused before anything changed
+    config = AutoConfig.for_model("gpt_oss", vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_local_experts=2, num_experts_per_tok=1, sliding_window=12,
+                                  layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(NotImplementedError, match="sinks"):
+        PagedCache(AutoModelForCausalLM.from_config(config).eval(), batch_invariant=True)
 
 
 def test_tiles_change_neither_the_layers_nor_their_weights():
