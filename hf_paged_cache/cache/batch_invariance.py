@@ -23,8 +23,9 @@ from ..pool.kv_pool import KVPool
 
 def make_batch_invariant(model: PreTrainedModel | None, specs: list[LayerSpec], pool: KVPool) -> None:
     """Make `model` (whose cache layers are `specs`, its keys and values in `pool`) compute every row's logits
-    independently of the other rows, in place and for good: its attention becomes ``paged_sdpa`` (which a batch-invariant `PagedCache` makes attend
-    each query alone) and its linear layers multiply whole tiles of rows (`tile_rows`). Idempotent.
+    independently of the other rows, in place and for good: its attention becomes ``paged_sdpa`` (which a
+    batch-invariant `PagedCache` makes attend each query alone) and its linear layers multiply whole tiles of rows
+    (`tile_rows`). Idempotent.
 
     Raises:
         ValueError: `model` is None (a cache built from a config).
