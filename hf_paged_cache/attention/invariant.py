@@ -22,6 +22,7 @@ The price: no fused kernel, and a prefill attends row by row. Attention sinks an
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ KEY_TILE = 16
 HEAD_ROWS = 4
 """The query heads of a key/value head are padded with zero rows to a multiple of this many (at least this many):
 on the CPUs measured, a product of 1 row, or of 6 or 9, sums in an order that depends on the other dimensions."""
+_PROBE_QUERIES = 32  # another summation order shows in few of a query's outputs: the probe compares many
 QUERY_CHUNK_KEYS = 1 << 16
 """Queries are attended in chunks of at most this many (query, key position) pairs, which bounds the copies of
 the keys each chunk multiplies."""
@@ -172,36 +174,50 @@ def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int
 
 def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
     generator = torch.Generator().manual_seed(0)
-    call, heads, length = _Call(2, groups, head_dim ** -0.5, None), 2, 37  # length: the query's real keys
+    call, heads, length, count = _Call(2, groups, head_dim ** -0.5, None), 2, 37, _PROBE_QUERIES
 
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    query = random(heads, groups, head_dim)
-    keys, values = random(heads, length, head_dim), random(heads, length, head_dim)
+    def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """``[N, H, t, g, Dv]``: queries ``[N, H, t, g, D]`` over keys ``[N, H, n', D]`` whose real ones are the
+        `length` after `lead` (the others masked, as a sliding window's or padding)."""
+        seen = torch.zeros(keys.shape[0], 1, queries.shape[2] * call.padded_groups, keys.shape[2], dtype=torch.bool)
+        seen[..., lead : lead + length] = True
+        out = call.attend(call.head_rows(queries), keys, values, seen)  # [N, H, t * g, Dv]
+        return out.unflatten(2, (queries.shape[2], groups))
 
-    def attend(rows: int, tile: int, at: int, padded: int, lead: int = 0) -> torch.Tensor:
-        """The query's output as query `at` of a tile of `tile` (rows == 1) or in row `at` of `rows`, its keys after
-        `lead` masked ones (a sliding window's)."""
-        queries = random(rows, heads, tile, groups, head_dim)
-        own_keys, own_values = random(rows, heads, padded, head_dim), random(rows, heads, padded, head_dim)
-        row, column = (at, 0) if rows > 1 else (0, at)
-        queries[row, :, column] = query
-        own_keys[row] = F.pad(keys, (0, 0, lead, padded - length - lead))  # [H, n', D]: zeros around the real keys
-        own_values[row] = F.pad(values, (0, 0, lead, padded - length - lead))
-        seen = torch.ones(rows, 1, tile * call.padded_groups, padded, dtype=torch.bool)
-        seen[row, :, :, :lead] = seen[row, :, :, lead + length :] = False
-        out = call.attend(call.head_rows(queries), own_keys, own_values, seen)  # [rows, H, tile * g, Dv]
-        return out[row].unflatten(1, (tile, groups))[:, column]  # [H, g, Dv]
+    def padded(states: torch.Tensor, size: int, lead: int = 0) -> torch.Tensor:  # zeros around the real ones
+        return F.pad(states, (0, 0, lead, size - length - lead))
 
-    alone = attend(1, 1, 0, 48)
-    for rows, tile in ((2, 1), (7, 1), (64, 1), (1, 2), (1, 7), (1, 64)):
-        for padded in (48, 64, 320):
-            for at in sorted({0, max(rows, tile) // 2, max(rows, tile) - 1}):
-                if not torch.equal(attend(rows, tile, at, padded), alone):
-                    where = f"row {at} of {rows}" if rows > 1 else f"query {at} of a tile of {tile}"
-                    return f"a query's attention changed as {where}, keys padded to {padded}, at {threads} threads"
+    # a decode forward: each target query with keys of its own, alone, then among `rows` rows
+    queries = random(count, heads, 1, groups, head_dim)
+    keys, values = random(count, heads, length, head_dim), random(count, heads, length, head_dim)
+    alone = torch.cat([attend(queries[i : i + 1], padded(keys[i : i + 1], 48), padded(values[i : i + 1], 48))
+                       for i in range(count)])  # [T, H, 1, g, Dv]
+    for rows, size in itertools.product((2, 7, 64), (48, 64, 320)):
+        taken = min(rows, count)
+        for at in (0, rows - taken):
+            batch = slice(at, at + taken)
+            row_queries = random(rows, heads, 1, groups, head_dim)
+            row_keys, row_values = random(rows, heads, size, head_dim), random(rows, heads, size, head_dim)
+            row_queries[batch] = queries[:taken]
+            row_keys[batch], row_values[batch] = padded(keys[:taken], size), padded(values[:taken], size)
+            if not torch.equal(attend(row_queries, row_keys, row_values)[batch], alone[:taken]):
+                return f"a query's attention changed in rows {at}-{at + taken - 1} of {rows} at {threads} threads"
+    # a longer forward: target queries of one row, each alone, then in a tile of `tile`, then after masked keys
+    queries = random(1, heads, count, groups, head_dim)
+    keys, values = padded(keys[:1], 48), padded(values[:1], 48)
+    alone = torch.cat([attend(queries[:, :, i : i + 1], keys, values) for i in range(count)], dim=2)
+    for tile in (2, 7, 64):
+        taken = min(tile, count)
+        for at in (0, tile - taken):
+            tile_queries = random(1, heads, tile, groups, head_dim)
+            tile_queries[:, :, at : at + taken] = queries[:, :, :taken]
+            if not torch.equal(attend(tile_queries, keys, values)[:, :, at : at + taken], alone[:, :, :taken]):
+                return f"a query's attention changed in a tile of {tile} at {threads} threads"
     for lead in (5, 16, 240):
-        if not torch.equal(attend(1, 1, 0, 320, lead), alone):
+        shifted = [padded(states[..., :length, :], 320, lead) for states in (keys, values)]
+        if not torch.equal(attend(queries, *shifted, lead=lead), attend(queries, keys, values)):
             return f"a query's attention changed after {lead} masked keys, at {threads} threads"
     return ""

@@ -4,14 +4,16 @@ A CPU matrix product picks its kernel and blocking by the shape it is given: the
 alone, beside 6 others or beside 63, can be summed in another order and round differently (measured on a 2-core
 AMD EPYC, float32: MKL's ``F.linear`` by up to 2.6e-6, oneDNN's packed product by up to 7.6e-6 at 1,536 inputs,
 where one row takes another kernel than two or more). Called with a row count that is always a multiple of a
-small number (2 for oneDNN there, 8 for MKL), at most `MAX_ROWS_PER_CALL` rows at a time, every kernel measured
-gives each row the same bits whatever the others are and wherever the row sits. `tile_rows` finds that multiple
+small number (there: 1, any count, for oneDNN's other shapes, 2 at 1,536 inputs, 4 for MKL), at most
+`MAX_ROWS_PER_CALL` rows at a time, every kernel measured gives each row the same bits whatever the others are
+and wherever the row sits. `tile_rows` finds that multiple
 for each layer on the machine at hand (`tiles_probe`, trying `ROW_MULTIPLES` in turn) and makes the layer use it
 (`tiled_forward`: its input's rows padded with zeros to the next multiple, the output cut back). The layer's
 class, parameters and ``state_dict`` stay as they are, and `untile_rows` gives it its own forward back.
 
-What this costs: a decode step of one row multiplies the multiple's rows (2: nearly free on weights that stream
-from memory), and a prefill longer than `MAX_ROWS_PER_CALL` tokens is cut into calls of that many rows.
+What this costs: a decode step of one row multiplies the multiple's rows in the layers that need one (2: nearly
+free on weights that stream from memory), and a prefill longer than `MAX_ROWS_PER_CALL` tokens is cut into calls
+of that many rows.
 """
 
 from __future__ import annotations
@@ -26,24 +28,29 @@ from .int4_linear import Int4Linear
 from .int8_linear import Int8Linear
 from .packed_linear import PackedLinear
 
-ROW_MULTIPLES = (2, 4, 8, 16)
+ROW_MULTIPLES = (1, 2, 4, 8, 16)
 """The row multiples `tile_rows` tries for a layer, smallest first: every product of the layer then has a multiple
-of the first one `tiles_probe` accepts (a product of one row, on the CPUs measured, takes another kernel)."""
+of the first one `tiles_probe` accepts (1: any count, where one row takes the same kernel as several; on the CPUs
+measured, some shapes take another kernel for one row)."""
 MAX_ROWS_PER_CALL = 256
 """A tiled layer's input of more rows is multiplied in calls of this many (the last one padded to a tile), so the
 kernels see row counts `tiles_probe` checked."""
 TILED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D, Int8Linear, Int4Linear)
 """The layers `tile_rows` tiles (`PackedLinear` is an `nn.Linear`; transformers' `Conv1D` is GPT-2's linear layer)."""
-_PROBE_ROWS = (1, 2, 7, 16, 17, 64, 300)
+_PROBE_ROWS = (2, 7, 16, 17, 64, 300)
+_PROBE_TARGETS = 64
 
 
 def tiled_forward(module: nn.Module, multiple: int, x: torch.Tensor) -> torch.Tensor:
     """`module`'s output for `x` ``[..., K]``, its rows multiplied as whole tiles: padded with zero rows to the next
     multiple of `multiple`, in calls of at most `MAX_ROWS_PER_CALL` rows, the padding cut off again."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    flat = x.reshape(rows, x.shape[-1])  # [R, K]
+    flat = x.reshape(rows, x.shape[-1])  # [R, K]: the 2-D products the probe checked
+    if rows % multiple == 0 and 0 < rows <= MAX_ROWS_PER_CALL:  # whole tiles already: one call, nothing to pad
+        out = module.forward_untiled(flat)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if rows % multiple or not rows:
-        flat = F.pad(flat, (0, 0, 0, multiple - rows % multiple))  # [R', K]
+        flat = F.pad(flat, (0, 0, 0, multiple - rows % multiple))  # [R', K]: zero rows to the next multiple
     if flat.shape[0] <= MAX_ROWS_PER_CALL:
         out = module.forward_untiled(flat)  # [R', N]
     else:
@@ -64,7 +71,7 @@ def tile_rows(model: nn.Module) -> int:
     """
     dtype = getattr(model, "dtype", torch.float32)  # the activations' dtype
     layers = [m for m in model.modules() if isinstance(m, TILED_TYPES) and not is_tiled(m)]
-    multiples = [row_multiple(type(layer), *_features(layer), dtype) for layer in layers]
+    multiples = [row_multiple(type(layer), *_features(layer), dtype) for layer in layers]  # probes, first
     for layer, multiple in zip(layers, multiples):
         if isinstance(layer, PackedLinear):
             layer.stock_below = 0
@@ -72,9 +79,9 @@ def tile_rows(model: nn.Module) -> int:
     return len(layers)
 
 
-def row_multiple(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype) -> int:
-    """The smallest of `ROW_MULTIPLES` whose tiles give a layer of this kind and shape each row's same bits beside
-    any other rows here (`tiles_probe`, at the current thread count).
+def row_multiple(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> int:
+    """The smallest of `ROW_MULTIPLES` whose tiles give a layer of this kind, shape and bias each row's same bits
+    beside any other rows here (`tiles_probe`, at the current thread count).
 
     Raises:
         RuntimeError: none does.
@@ -82,7 +89,7 @@ def row_multiple(kind: type[nn.Module], in_features: int, out_features: int, dty
     threads = torch.get_num_threads()
     problems = []
     for multiple in ROW_MULTIPLES:
-        problem = tiles_probe(kind, in_features, out_features, dtype, threads, multiple)
+        problem = tiles_probe(kind, in_features, out_features, bias, dtype, threads, multiple)
         if not problem:
             return multiple
         problems.append(f"in multiples of {multiple}: {problem}")
@@ -103,11 +110,11 @@ def untile_rows(model: nn.Module) -> int:
     return len(layers)
 
 
-def _features(layer: nn.Module) -> tuple[int, int]:
-    """`layer`'s input and output widths."""
+def _features(layer: nn.Module) -> tuple[int, int, bool]:
+    """`layer`'s input and output widths, and whether it adds a bias (a kernel may fuse it: another kernel)."""
     if isinstance(layer, Conv1D):
-        return layer.nx, layer.nf
-    return layer.in_features, layer.out_features
+        return layer.nx, layer.nf, True
+    return layer.in_features, layer.out_features, getattr(layer, "bias", None) is not None
 
 
 def _install(layer: nn.Module, multiple: int) -> None:
@@ -118,32 +125,36 @@ def _install(layer: nn.Module, multiple: int) -> None:
 
 
 @functools.cache
-def tiles_probe(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype, threads: int,
-                multiple: int) -> str:
-    """Why a layer of this kind and shape, tiled in multiples of `multiple` rows, would not give a row of `dtype`
-    the same bits whatever rows share its call, at `threads` threads; "" when it does. Checked on random weights:
-    a row at the start, middle and end of inputs of `_PROBE_ROWS` rows against the row alone. Cached.
+def tiles_probe(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                threads: int, multiple: int) -> str:
+    """Why a layer of this kind, shape and bias, tiled in multiples of `multiple` rows, would not give a row of
+    `dtype` the same bits whatever rows share its call, at `threads` threads; "" when it does. Checked on random
+    weights: `_PROBE_TARGETS` rows, each computed alone, then among inputs of `_PROBE_ROWS` rows (as many of them
+    as fit, at the start and at the end). Many rows, because another summation order changes only a few of a row's
+    outputs (in bfloat16 about one in ten thousand: measured, 1,536 inputs, one row against 32). Cached.
     """
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, even when asked under inference mode
-        return _probe(kind, in_features, out_features, dtype, threads, multiple)
+        return _probe(kind, in_features, out_features, bias, dtype, threads, multiple)
 
 
-def _probe(kind: type[nn.Module], in_features: int, out_features: int, dtype: torch.dtype, threads: int,
-           multiple: int) -> str:
+def _probe(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+           threads: int, multiple: int) -> str:
     generator = torch.Generator().manual_seed(0)
-    linear = nn.Linear(in_features, out_features, bias=True, dtype=torch.float32)
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float32)
     linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
-    linear.bias.copy_(torch.randn(out_features, generator=generator))
+    if bias:
+        linear.bias.copy_(torch.randn(out_features, generator=generator))
     layer = _probe_layer(kind, linear, dtype)
     _install(layer, multiple)
-    row = torch.randn(1, in_features, generator=generator).to(dtype)
-    alone = layer(row)[0]
+    targets = torch.randn(_PROBE_TARGETS, in_features, generator=generator).to(dtype)  # [T, K]
+    alone = torch.cat([layer(row) for row in targets.split(1)])  # [T, N], each row in a call of its own
     for rows in _PROBE_ROWS:
-        for at in sorted({0, rows // 2, rows - 1}):
-            others = torch.randn(rows, in_features, generator=generator).to(row.dtype)
-            others[at] = row[0]
-            if not torch.equal(layer(others)[at], alone):
-                return f"a row's product changed beside {rows - 1} other rows (at {at}) at {threads} threads"
+        count = min(rows, _PROBE_TARGETS)
+        for at in (0, rows - count):  # the targets first, then last
+            batch = torch.randn(rows, in_features, generator=generator).to(dtype)  # [rows, K]
+            batch[at : at + count] = targets[:count]
+            if not torch.equal(layer(batch)[at : at + count], alone[:count]):
+                return f"a row's product changed among {rows} rows (rows {at}-{at + count - 1}) at {threads} threads"
     return ""
 
 
@@ -157,8 +168,8 @@ def _probe_layer(kind: type[nn.Module], linear: nn.Linear, dtype: torch.dtype) -
         layer = kind(linear.out_features, linear.in_features)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.T)  # [K, N]
-            layer.bias.copy_(linear.bias)
+            layer.bias.copy_(linear.bias if linear.bias is not None else torch.zeros_like(layer.bias))
         return layer.to(dtype)
-    layer = kind(linear.in_features, linear.out_features)  # nn.Linear or a subclass of its signature
+    layer = kind(linear.in_features, linear.out_features, bias=linear.bias is not None)  # nn.Linear's signature
     layer.load_state_dict(linear.state_dict())
     return layer.to(dtype)
