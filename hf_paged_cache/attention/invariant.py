@@ -32,14 +32,14 @@ from ..pool.kv_format import StoredStates
 from .reads import PAST_EVERY_QUERY, PagedAttentionInputs, RowKeys
 
 KEY_TILE = 16
-"""Every query attends over a multiple of this many key positions (its row's, then masked zeros)."""
+"""A row's stored keys are read padded to a multiple of this many positions (the padding masked, zeros)."""
 HEAD_ROWS = 4
 """The query heads of a key/value head are padded with zero rows to a multiple of this many (at least this many):
 on the CPUs measured, a product of 1 row, or of 6 or 9, sums in an order that depends on the other dimensions."""
 _PROBE_QUERIES = 32  # another summation order shows in few of a query's outputs: the probe compares many
 QUERY_CHUNK_KEYS = 1 << 16
-"""Queries are attended in chunks of at most this many (query, key position) pairs, which bounds the copies of
-the keys each chunk multiplies."""
+"""A row's queries are attended in tiles of at most this many (query, key position) pairs, which bounds the scores
+one product makes."""
 
 
 def attend_invariant(
@@ -67,7 +67,7 @@ def attend_invariant(
     if query_length == 1 and real:
         rows = None if len(real) == batch_size else torch.tensor(real, device=query.device)  # None: every row
         own = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        items = call.head_rows(own(query).view(-1, heads, 1, call.groups, head_dim))  # [B', H, G, D]
+        items = call.head_rows(own(query).reshape(-1, heads, 1, call.groups, head_dim))  # [B', H, G, D]
         seen = call.seen(own(key_positions), positions[:1])  # [B', 1, n']
         attended = call.attend(items, own(keys), own(values), seen.unsqueeze(1))  # [B', H, g, Dv]
         out[real if rows is not None else slice(None), 0] = attended.reshape(len(real), query_heads, -1).to(out.dtype)
