@@ -66,3 +66,23 @@ def greedy_run(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_toke
                              min_new_tokens=new_tokens, do_sample=False)
         whole = time.perf_counter() - start
     return first, (whole - first) / (new_tokens - 1), out[:, ids.shape[1]:]
+
+
+def alternated_runs(models: dict[str, nn.Module], ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+                    repeats: int, invariant: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
+    """`greedy_run` of every model in turn (the order turned every other round), a warm-up round then `repeats`
+    timed ones; returns per name its first tokens' seconds, its decode steps' seconds (one per timed round) and its
+    last answer ``[rows, new]``. The models named in `invariant` run with batch-invariant caches."""
+    names = list(models)
+    firsts: dict[str, list[float]] = {name: [] for name in names}
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    answers: dict[str, torch.Tensor] = {}
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for name in (names if round_ % 2 else names[::-1]):
+            first, step, answers[name] = greedy_run(models[name], ids, mask, new_tokens,
+                                                    batch_invariant=name in invariant)
+            if round_:
+                firsts[name].append(first)
+                steps[name].append(step)
+    return firsts, steps, answers
+

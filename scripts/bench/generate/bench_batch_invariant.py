@@ -26,7 +26,7 @@ import torch
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.bench.quantized import greedy_run, prompt_texts
+from hf_paged_cache.bench.quantized import alternated_runs, prompt_texts
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import load_model_and_tokenizer
 
@@ -54,16 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
         for rows in (int(r) for r in args.rows.split(",")):
             batch = tokenizer(prompt_texts(rows), return_tensors="pt", padding=True)  # [rows, P], left-padded
             ids, mask = batch.input_ids, batch.attention_mask
-            firsts = {mode: [] for mode in MODES}
-            steps = {mode: [] for mode in MODES}
-            answers = {}
-            for round_ in range(args.repeats + 1):  # round 0 warms up
-                for mode in (MODES if round_ % 2 else MODES[::-1]):
-                    first, step, answers[mode] = greedy_run(models[mode], ids, mask, args.new_tokens,
-                                                            batch_invariant=mode == "invariant")
-                    if round_:
-                        firsts[mode].append(first)
-                        steps[mode].append(step)
+            firsts, steps, answers = alternated_runs(models, ids, mask, args.new_tokens, args.repeats,
+                                                     invariant=frozenset({"invariant"}))
             # the first prompt's answer: left-padded among `rows`, its tokens still start right after the padding
             first_answer = {mode: answers[mode][0] for mode in MODES}
             if rows == 1:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.bench.quantized import greedy_run, prompt_texts, quantized_models, weight_bytes
+from hf_paged_cache.bench.quantized import alternated_runs, prompt_texts, quantized_models, weight_bytes
 from hf_paged_cache.kernels import QUANTIZE_CHOICES
 from hf_paged_cache.models import load_model_and_tokenizer
 
@@ -57,15 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     for rows in (int(r) for r in args.rows.split(",")):
         batch = tokenizer(prompt_texts(rows), return_tensors="pt", padding=True)  # [rows, P], left-padded
         ids, mask = batch.input_ids, batch.attention_mask
-        firsts = {name: [] for name in names}
-        steps = {name: [] for name in names}
-        answers = {}
-        for round_ in range(args.repeats + 1):  # round 0 warms up
-            for name in (names if round_ % 2 else names[::-1]):
-                first, step, answers[name] = greedy_run(models[name], ids, mask, args.new_tokens)
-                if round_:
-                    firsts[name].append(first)
-                    steps[name].append(step)
+        firsts, steps, answers = alternated_runs(models, ids, mask, args.new_tokens, args.repeats)
         entry = {}
         for name in names:
             same = (answers[name][0] == answers["float32"][0]).tolist()  # the first prompt's answer
