@@ -4,7 +4,7 @@ Scoring asks for every prompt token's log-probability (``prompt_logprobs``, an `
 the pool's prefix cache holds keys and values, not logits: so a scored prompt used to be computed whole even when
 its blocks were cached. lm-eval's multiple-choice tasks send one context with four endings, and the context was
 computed four times. Here the log-probabilities of a prompt's tokens are kept per full block, keyed like the
-pool's blocks by a chained digest of every token up to the block's end (a token's log-probability depends on the
+pool's blocks by a chained digest of every token up to the block's end (`prefix_index.block_keys`) (a token's log-probability depends on the
 tokens before it and on itself, all inside that key). A later prompt that starts with the same blocks takes their
 log-probabilities, reuses their keys and values from the prefix cache, and computes only the rest, starting one
 position early: the log-probability of its first new token comes from the logits of the position before it.
@@ -17,12 +17,12 @@ records the most likely alternatives it was computed with (``k``) and serves req
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..pool.prefix_index import block_keys
 from .logprobs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -36,15 +36,15 @@ class PromptScores:
     def __init__(self, block_size: int, capacity: int):
         self.block_size = block_size
         self.capacity = capacity
-        # digest of tokens [0, (b + 1) * block_size) -> (k, log-probabilities of the block's tokens, those after
-        # the first in block 0)
+        # block b's key (`block_keys`: tokens [0, (b + 1) * block_size)) -> (k, log-probabilities of the block's
+        # tokens, those after the first in block 0)
         self._blocks: OrderedDict[bytes, tuple[int, tuple[TokenLogprob, ...]]] = OrderedDict()
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
         """The log-probabilities of tokens ``1 .. n - 1`` of `tokens` (n a multiple of the block size: the leading
         blocks held with at least `k` alternatives each), their alternatives cut to `k`; empty when none."""
         found: list[TokenLogprob] = []
-        for key in self._keys(tokens):
+        for key in block_keys(tokens, self.block_size):
             entry = self._blocks.get(key)
             if entry is None or entry[0] < k:
                 break
@@ -56,7 +56,7 @@ class PromptScores:
         """Keep the log-probabilities of `tokens` ``1 .. len(logprobs)`` (`logprobs[i]` is token ``i + 1``'s,
         with its `k` most likely alternatives) for every full block they cover."""
         size = self.block_size
-        for index, key in enumerate(self._keys(tokens[: len(logprobs) + 1])):
+        for index, key in enumerate(block_keys(tokens[: len(logprobs) + 1], size)):
             entry = self._blocks.get(key)
             if entry is None or entry[0] < k:
                 first = max(index * size - 1, 0)  # logprobs[i] is token i + 1's; token 0 has none
@@ -67,15 +67,6 @@ class PromptScores:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def _keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The chained digest of each full block of `tokens`: block b's covers tokens ``[0, (b + 1) * size)``."""
-        keys, digest = [], b""
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            block = tokens[start : start + self.block_size]
-            digest = hashlib.blake2b(digest + b"".join(t.to_bytes(8, "little") for t in block), digest_size=16).digest()
-            keys.append(digest)
-        return keys
 
 
 def record_prompt_logprobs(request: Request, result: StepResult, scores: PromptScores | None) -> None:
