@@ -1,13 +1,14 @@
 """`PromptScores`: the prompt log-probabilities a batcher has computed, kept by block for the prompts that follow.
 
-Scoring asks for every prompt token's log-probability (``prompt_logprobs``, an ``echo`` with ``logprobs``), and
-the pool's prefix cache holds keys and values, not logits: so a scored prompt used to be computed whole even when
-its blocks were cached. lm-eval's multiple-choice tasks send one context with four endings, and the context was
-computed four times. Here the log-probabilities of a prompt's tokens are kept per full block, keyed like the
-pool's blocks by a chained digest of every token up to the block's end (`prefix_index.block_keys`) (a token's log-probability depends on the
-tokens before it and on itself, all inside that key). A later prompt that starts with the same blocks takes their
-log-probabilities, reuses their keys and values from the prefix cache, and computes only the rest, starting one
-position early: the log-probability of its first new token comes from the logits of the position before it.
+Scoring asks for every prompt token's log-probability (``prompt_logprobs``, an ``echo`` with ``logprobs``), and the
+pool's prefix cache holds keys and values, not logits: so a scored prompt used to be computed whole even when its
+blocks were cached. lm-eval's multiple-choice tasks send one context with four endings, and the context was
+computed four times. Here the log-probabilities of a prompt's tokens are kept per full block, keyed like the pool's
+blocks by a chained digest of every token up to the block's end (`prefix_index.block_keys`: a token's
+log-probability depends on the tokens before it and on itself, all inside that key). A later prompt that starts
+with the same blocks takes their log-probabilities, reuses their keys and values from the prefix cache, and
+computes only the rest, starting one position early: the log-probability of its first new token comes from the
+logits of the position before it.
 
 Exact in batch-invariant mode: the stored numbers are the bits a computation would give again. In the default
 mode they are the numbers the first computation gave, which a second one, in other company, may round
