@@ -1,5 +1,7 @@
-"""The parts the quantized-weights benchmarks share (``bench_quantized_weights.py``, ``bench_llama_cpp.py``): the
-prompt, the models made from one float32 load, a greedy run's timings, and the weights' bytes.
+"""The parts the generate benchmarks of weights and modes share (``bench_quantized_weights.py``,
+``bench_llama_cpp.py``, ``bench_batch_invariant.py``): the prompt, the models made from one float32 load, a greedy
+run's timings and their alternated rounds, their summary in milliseconds, how long two greedy answers agree, and
+the weights' bytes.
 
 Imported by path (``hf_paged_cache.bench.quantized``); this package does not re-export it.
 """
@@ -7,7 +9,9 @@ Imported by path (``hf_paged_cache.bench.quantized``); this package does not re-
 from __future__ import annotations
 
 import copy
+import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -85,4 +89,18 @@ def alternated_runs(models: dict[str, nn.Module], ids: torch.Tensor, mask: torch
                 firsts[name].append(first)
                 steps[name].append(step)
     return firsts, steps, answers
+
+
+def timing_summary(firsts: list[float], steps: list[float]) -> dict[str, float | list[float]]:
+    """Milliseconds from `alternated_runs`' seconds: the first token's and a decode step's medians and ranges."""
+    return {"first_ms": 1000 * statistics.median(firsts), "first_ms_range": [1000 * min(firsts), 1000 * max(firsts)],
+            "step_ms": 1000 * statistics.median(steps), "step_ms_range": [1000 * min(steps), 1000 * max(steps)]}
+
+
+def agreeing_tokens(answer: Sequence[int] | torch.Tensor, reference: Sequence[int] | torch.Tensor) -> int:
+    """How many tokens two greedy answers of one length share before the first that differs."""
+    ours = answer.tolist() if isinstance(answer, torch.Tensor) else list(answer)
+    theirs = reference.tolist() if isinstance(reference, torch.Tensor) else list(reference)
+    same = [a == b for a, b in zip(ours, theirs, strict=True)]
+    return same.index(False) if False in same else len(same)
 

