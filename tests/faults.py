@@ -4,10 +4,10 @@ Each fault raises `Injected` (or another error) from a hook on the model, so the
 
 - `poison(model, token)`: any forward whose input ids hold `token` fails, every time. That is a request's
   own fault: the request that carries the token must fail alone, the others keep exact tokens.
-- `fail_next(module, times)`: the next `times` forwards through `module` fail, whatever they hold. Once is a
-  transient fault, which must cost nobody anything; always is a fault outside any request. Set `times` on
-  the fault to arm it later (hooks are registered before the batcher runs: torch's hook dicts are not safe
-  to change while another thread runs a forward).
+- `fail_next(module, times)`: the next `times` forwards through `module` fail, whatever they hold (or only those
+  whose inputs `when` accepts). Once is a transient fault, which must cost nobody anything; always is a fault
+  outside any request. Set `times` on the fault to arm it later (hooks are registered before the batcher runs:
+  torch's hook dicts are not safe to change while another thread runs a forward).
 - `RaiseInChoice`: a logits processor (passed to `submit(logits_processor=...)`) that raises, to fail a
   request's token choice `times` times.
 - `Force`: a logits processor that makes a request pick a given token at a given step (a token the model
@@ -17,6 +17,7 @@ Each fault raises `Injected` (or another error) from a hook on the model, so the
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from transformers import LogitsProcessor
@@ -61,13 +62,15 @@ def poison(model: torch.nn.Module, token: int) -> Fault:
     return fault
 
 
-def fail_next(module: torch.nn.Module, times: int | None = 1, after: bool = True, error=None) -> Fault:
+def fail_next(module: torch.nn.Module, times: int | None = 1, after: bool = True, error=None,
+              when: Callable[[tuple], bool] | None = None) -> Fault:
     """The next `times` forwards through `module` raise (None: every one), after it runs or before; `error()`
-    builds the exception (default: `Injected`)."""
+    builds the exception (default: `Injected`); `when(inputs)`, if given, picks the forwards that count (the
+    module's positional inputs)."""
     fault = Fault(times, error)
 
-    def hook(*args):
-        if fault.armed():
+    def hook(module, inputs, *output):
+        if fault.armed() and (when is None or when(inputs)):
             fault._raise(f"in {type(module).__name__}")
 
     fault.handle = module.register_forward_hook(hook) if after else module.register_forward_pre_hook(hook)
