@@ -5,20 +5,23 @@ alone, beside 6 others or beside 63, can be summed in another order and round di
 AMD EPYC, float32: MKL's ``F.linear`` by up to 2.6e-6, oneDNN's packed product by up to 7.6e-6 at 1,536 inputs,
 where one row takes another kernel than two or more). Called with a row count that is always a multiple of a
 small number (there: 1, any count, for oneDNN's other shapes, 2 at 1,536 inputs, 4 for MKL), at most
-`MAX_ROWS_PER_CALL` rows at a time, every kernel measured gives each row the same bits whatever the others are
-and wherever the row sits. `tile_rows` finds that multiple
-for each layer on the machine at hand (`tiles_probe`, trying `ROW_MULTIPLES` in turn) and makes the layer use it
-(`tiled_forward`: its input's rows padded with zeros to the next multiple, the output cut back). The layer's
-class, parameters and ``state_dict`` stay as they are, and `untile_rows` gives it its own forward back.
+`MAX_ROWS_PER_CALL` rows at a time, every kernel measured there gives each row the same bits whatever the others
+are and wherever the row sits. Where no multiple does (on an Intel Xeon with AMX, oneDNN's bfloat16 products and
+MKL's ``addmm`` sum a call of 64 rows in another order than one of 16), calls of exactly one row count do: the
+kernel then always sees one shape. `tile_rows` finds the tile for each layer on the machine at hand (`tiles_probe`,
+trying `ROW_TILES` in turn) and makes the layer use it (`tiled_forward`: its input's rows padded with zeros to
+whole tiles, the output cut back). The layer's class, parameters and ``state_dict`` stay as they are, and
+`untile_rows` gives it its own forward back.
 
-What this costs: a decode step of one row multiplies the multiple's rows in the layers that need one (2: nearly
-free on weights that stream from memory), and a prefill longer than `MAX_ROWS_PER_CALL` tokens is cut into calls
-of that many rows.
+What this costs: a decode step of one row multiplies a tile's rows in the layers that need one (2: nearly free on
+weights that stream from memory; 16 rows for exact tiles), and a prefill longer than `MAX_ROWS_PER_CALL` tokens
+(or than an exact tile) is cut into calls of that many rows.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,71 +32,92 @@ from .int4_linear import Int4Linear
 from .int8_linear import Int8Linear
 from .packed_linear import PackedLinear
 
-ROW_MULTIPLES = (1, 2, 4, 8, 16)
-"""The row multiples `tile_rows` tries for a layer, smallest first: every product of the layer then has a multiple
-of the first one `tiles_probe` accepts (1: any count, where one row takes the same kernel as several; on the CPUs
-measured, some shapes take another kernel for one row)."""
 MAX_ROWS_PER_CALL = 256
 """A tiled layer's input of more rows is multiplied in calls of this many (the last one padded to a tile), so the
 kernels see row counts `tiles_probe` checked."""
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """How a tiled layer groups its rows: calls of a multiple of `rows` rows (at most `MAX_ROWS_PER_CALL`), or, when
+    `exact`, calls of exactly `rows` rows."""
+
+    rows: int
+    exact: bool = False
+
+    @property
+    def rows_per_call(self) -> int:
+        """The most rows one call multiplies."""
+        return self.rows if self.exact else MAX_ROWS_PER_CALL
+
+    def __str__(self) -> str:
+        return f"in calls of exactly {self.rows} rows" if self.exact else f"in multiples of {self.rows} rows"
+
+
+ROW_TILES = (*(RowTile(rows) for rows in (1, 2, 4, 8, 16)), RowTile(16, exact=True), RowTile(64, exact=True))
+"""The tiles `tile_rows` tries for a layer, cheapest first: every product of the layer then has a multiple of the
+rows of the first one `tiles_probe` accepts (1: any count, where one row takes the same kernel as several; on the
+CPUs measured, some shapes take another kernel for one row), or exactly its rows (where a kernel's summation order
+changes with the row count however it is rounded)."""
 TILED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D, Int8Linear, Int4Linear)
 """The layers `tile_rows` tiles (`PackedLinear` is an `nn.Linear`; transformers' `Conv1D` is GPT-2's linear layer)."""
 _PROBE_ROWS = (2, 7, 16, 17, 64, 300)
 _PROBE_TARGETS = 64
 
 
-def tiled_forward(module: nn.Module, multiple: int, x: torch.Tensor) -> torch.Tensor:
+def tiled_forward(module: nn.Module, tile: RowTile, x: torch.Tensor) -> torch.Tensor:
     """`module`'s output for `x` ``[..., K]``, its rows multiplied as whole tiles: padded with zero rows to the next
-    multiple of `multiple`, in calls of at most `MAX_ROWS_PER_CALL` rows, the padding cut off again."""
+    multiple of the tile's rows, in calls of at most `RowTile.rows_per_call` rows, the padding cut off again."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     flat = x.reshape(rows, x.shape[-1])  # [R, K]: the 2-D products the probe checked
-    if rows % multiple == 0 and 0 < rows <= MAX_ROWS_PER_CALL:  # whole tiles already: one call, nothing to pad
+    per_call = tile.rows_per_call
+    if rows % tile.rows == 0 and 0 < rows <= per_call:  # whole tiles already: one call, nothing to pad
         out = module.forward_untiled(flat)
         return out.view(*x.shape[:-1], out.shape[-1])
-    if rows % multiple or not rows:
-        flat = F.pad(flat, (0, 0, 0, multiple - rows % multiple))  # [R', K]: zero rows to the next multiple
-    if flat.shape[0] <= MAX_ROWS_PER_CALL:
+    if rows % tile.rows or not rows:
+        flat = F.pad(flat, (0, 0, 0, tile.rows - rows % tile.rows))  # [R', K]: zero rows to the next multiple
+    if flat.shape[0] <= per_call:
         out = module.forward_untiled(flat)  # [R', N]
     else:
-        out = torch.cat([module.forward_untiled(part) for part in flat.split(MAX_ROWS_PER_CALL)])
+        out = torch.cat([module.forward_untiled(part) for part in flat.split(per_call)])
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def tile_rows(model: nn.Module) -> int:
-    """Tile the rows of every layer of `model` of the `TILED_TYPES`, in place (idempotent), each with the smallest
-    of `ROW_MULTIPLES` that `tiles_probe` accepts for its kind and shape; returns how many layers it tiled.
+    """Tile the rows of every layer of `model` of the `TILED_TYPES`, in place (idempotent), each with the first of
+    `ROW_TILES` that `tiles_probe` accepts for its kind and shape; returns how many layers it tiled.
 
     A tiled `PackedLinear` packs every product (``stock_below`` 0): the stock kernel for the smallest calls would
     make the kernel depend on the rows.
 
     Raises:
-        RuntimeError: no multiple gives some layer's rows the same bits beside other rows on this machine (then no
+        RuntimeError: no tile gives some layer's rows the same bits beside other rows on this machine (then no
             layer is changed).
     """
     dtype = getattr(model, "dtype", torch.float32)  # the activations' dtype
     layers = [m for m in model.modules() if isinstance(m, TILED_TYPES) and not is_tiled(m)]
-    multiples = [row_multiple(type(layer), *_features(layer), dtype) for layer in layers]  # probes, first
-    for layer, multiple in zip(layers, multiples):
+    tiles = [row_tile(type(layer), *_features(layer), dtype) for layer in layers]  # probes, first
+    for layer, tile in zip(layers, tiles):
         if isinstance(layer, PackedLinear):
             layer.stock_below = 0
-        _install(layer, multiple)
+        _install(layer, tile)
     return len(layers)
 
 
-def row_multiple(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> int:
-    """The smallest of `ROW_MULTIPLES` whose tiles give a layer of this kind, shape and bias each row's same bits
-    beside any other rows here (`tiles_probe`, at the current thread count).
+def row_tile(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> RowTile:
+    """The first of `ROW_TILES` that gives a layer of this kind, shape and bias each row's same bits beside any
+    other rows here (`tiles_probe`, at the current thread count).
 
     Raises:
         RuntimeError: none does.
     """
     threads = torch.get_num_threads()
     problems = []
-    for multiple in ROW_MULTIPLES:
-        problem = tiles_probe(kind, in_features, out_features, bias, dtype, threads, multiple)
+    for tile in ROW_TILES:
+        problem = tiles_probe(kind, in_features, out_features, bias, dtype, threads, tile)
         if not problem:
-            return multiple
-        problems.append(f"in multiples of {multiple}: {problem}")
+            return tile
+        problems.append(f"{tile}: {problem}")
     raise RuntimeError(f"batch-invariant products are not available for {kind.__name__}({in_features}, "
                        f"{out_features}) in {dtype}: " + "; ".join(problems))
 
@@ -119,35 +143,35 @@ def _features(layer: nn.Module) -> tuple[int, int, bool]:
     return layer.in_features, layer.out_features, getattr(layer, "bias", None) is not None
 
 
-def _install(layer: nn.Module, multiple: int) -> None:
-    """Route `layer`'s calls through `tiled_forward` in multiples of `multiple` rows (an instance attribute over the
-    class's ``forward``, which ``nn.Module.__call__`` and its hooks go on calling as before)."""
+def _install(layer: nn.Module, tile: RowTile) -> None:
+    """Route `layer`'s calls through `tiled_forward` in `tile`s (an instance attribute over the class's ``forward``,
+    which ``nn.Module.__call__`` and its hooks go on calling as before)."""
     layer.forward_untiled = layer.forward  # the class's own product, bound
-    layer.forward = functools.partial(tiled_forward, layer, multiple)
+    layer.forward = functools.partial(tiled_forward, layer, tile)
 
 
 @functools.cache
 def tiles_probe(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                threads: int, multiple: int) -> str:
-    """Why a layer of this kind, shape and bias, tiled in multiples of `multiple` rows, would not give a row of
+                threads: int, tile: RowTile) -> str:
+    """Why a layer of this kind, shape and bias, tiled in `tile`s, would not give a row of
     `dtype` the same bits whatever rows share its call, at `threads` threads; "" when it does. Checked on random
     weights: `_PROBE_TARGETS` rows, each computed alone, then among inputs of `_PROBE_ROWS` rows (as many of them
     as fit, at the start and at the end). Many rows, because another summation order changes only a few of a row's
     outputs (in bfloat16 about one in ten thousand: measured, 1,536 inputs, one row against 32). Cached.
     """
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, even when asked under inference mode
-        return _probe(kind, in_features, out_features, bias, dtype, threads, multiple)
+        return _probe(kind, in_features, out_features, bias, dtype, threads, tile)
 
 
 def _probe(kind: type[nn.Module], in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-           threads: int, multiple: int) -> str:
+           threads: int, tile: RowTile) -> str:
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float32)
     linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
     if bias:
         linear.bias.copy_(torch.randn(out_features, generator=generator))
     layer = _probe_layer(kind, linear, dtype)
-    _install(layer, multiple)
+    _install(layer, tile)
     targets = torch.randn(_PROBE_TARGETS, in_features, generator=generator).to(dtype)  # [T, K]
     alone = torch.cat([layer(row) for row in targets.split(1)])  # [T, N], each row in a call of its own
     for rows in _PROBE_ROWS:

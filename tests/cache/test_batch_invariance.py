@@ -7,11 +7,12 @@ nothing. `test_the_default_mode_moves_with_the_batch` shows the same checks fail
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_paged_cache import ContinuousBatcher, PagedCache
-from hf_paged_cache.kernels.row_tiles import ROW_MULTIPLES, is_tiled, row_multiple, tile_rows, tiles_probe, untile_rows
+from hf_paged_cache.kernels.row_tiles import ROW_TILES, RowTile, is_tiled, row_tile, tile_rows, tiles_probe, untile_rows
 
 VOCAB = 512
 NEW_TOKENS = 6
@@ -175,24 +176,44 @@ def test_tiles_change_neither_the_layers_nor_their_weights():
     assert untile_rows(model) == 15 and not is_tiled(layer)
 
 
-class RowCountLinear(nn.Linear):
-    """A linear layer whose products depend on how many rows share the call, as some kernels' rounding does."""
+class RowPlaceLinear(nn.Linear):
+    """A linear layer whose products depend on where a row sits in the call (as a kernel that rounds its tail rows
+    otherwise would): every row but the call's first is off by 1e-3. No tile helps."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + 1e-3 * (x.numel() // x.shape[-1] > max(ROW_MULTIPLES))
+        flat = super().forward(x).flatten(0, -2)  # [R, N]
+        return (flat + 1e-3 * (torch.arange(flat.shape[0]) > 0).unsqueeze(1)).view(*x.shape[:-1], -1)
 
 
 def test_a_kernel_that_depends_on_the_batch_is_refused():
     threads = torch.get_num_threads()
-    assert tiles_probe(nn.Linear, 256, 768, True, torch.float32, threads, max(ROW_MULTIPLES)) == ""
-    problem = tiles_probe(RowCountLinear, 256, 768, True, torch.float32, threads, max(ROW_MULTIPLES))
-    assert "changed among 17 rows" in problem
-    with pytest.raises(RuntimeError, match="not available for RowCountLinear"):
-        row_multiple(RowCountLinear, 256, 768, True, torch.float32)
-    model = nn.Sequential(nn.Linear(256, 768), RowCountLinear(256, 768))
+    assert tiles_probe(nn.Linear, 256, 768, True, torch.float32, threads, ROW_TILES[-1]) == ""
+    problems = [tiles_probe(RowPlaceLinear, 256, 768, True, torch.float32, threads, tile) for tile in ROW_TILES]
+    assert all("changed among" in problem for problem in problems)
+    with pytest.raises(RuntimeError, match="not available for RowPlaceLinear.*in calls of exactly 64 rows"):
+        row_tile(RowPlaceLinear, 256, 768, True, torch.float32)
+    model = nn.Sequential(nn.Linear(256, 768), RowPlaceLinear(256, 768))
     with pytest.raises(RuntimeError, match="not available"):
         tile_rows(model)
     assert not any(is_tiled(layer) for layer in model)  # nothing changed
+
+
+class RowCountLinear(nn.Linear):
+    """A linear layer whose products depend on how many rows share the call, as some kernels' rounding does (an
+    Intel Xeon's bfloat16 products with AMX: 16 rows against 64)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1e-3 * (x.numel() // x.shape[-1] > 16)
+
+
+def test_a_kernel_that_depends_on_the_row_count_gets_calls_of_one_count():
+    threads = torch.get_num_threads()
+    assert "changed among 17 rows" in tiles_probe(RowCountLinear, 256, 768, True, torch.float32, threads, RowTile(16))
+    assert row_tile(RowCountLinear, 256, 768, True, torch.float32) == RowTile(16, exact=True)
+    layer = RowCountLinear(256, 768)
+    rows = torch.randn(300, 256)
+    tile_rows(layer)
+    torch.testing.assert_close(layer(rows), F.linear(rows, layer.weight, layer.bias))  # never a call of 17+ rows
 
 
 def test_the_mode_can_be_asked_for_under_inference_mode():
