@@ -27,6 +27,7 @@ from ..attention import PAGED_ATTENTION_NAMES, set_paged_attention
 from ..cache.paged_cache import PagedCache
 from ..cache.state_probe import one_token
 from ..errors import BatcherClosed
+from ..kernels.openmp_pool import release_openmp_pool
 from ..kinds.encoder_decoder import is_encoder_decoder
 from ..pool.block_pool import as_count
 from ..pool.kv_pool import KVPool
@@ -117,9 +118,10 @@ class ContinuousBatcher:
             Bitwise what a computation gives again in batch-invariant mode; in the default mode the numbers
             the first computation gave.
 
-    `submit` is thread-safe and starts the loop on first use. `close` (or leaving ``with``) stops it, fails
-    unfinished requests and gives every block back. A batcher dropped without `close` finishes the requests
-    it has, then ends its thread and gives its blocks back.
+    `submit` is thread-safe and starts the loop on first use, ending the calling thread's idle OpenMP workers
+    (`kernels.openmp_pool`: with them, every op of the loop's thread would run slower). `close` (or leaving
+    ``with``) stops it, fails unfinished requests and gives every block back. A batcher dropped without `close`
+    finishes the requests it has, then ends its thread and gives its blocks back.
     """
 
     def __init__(
@@ -350,6 +352,7 @@ class ContinuousBatcher:
         self._inbox.put(request)
         with self._start:
             if self._thread is None and not self._closed:
+                release_openmp_pool()  # this thread's idle OpenMP workers would slow every op the loop runs
                 self._thread = threading.Thread(
                     target=_serve, args=(self._inbox, self._scheduler, self._executor, self._listeners),
                     name="ContinuousBatcher", daemon=True,
