@@ -122,10 +122,29 @@ class _Call:
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
         scores = scores.masked_fill(~seen, float("-inf"))
-        weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        attended = torch.matmul(weights, values)  # [N, H, t * G, Dv]
+        weights = torch.softmax(scores.float(), dim=-1)  # [N, H, t * G, n'] float32
+        if self.window is None:  # keys at their positions from slot 0: whole tiles of positions
+            attended = weighted_values(weights, values).to(values.dtype)  # [N, H, t * G, Dv]
+        else:
+            attended = torch.matmul(weights.to(values.dtype), values)  # [N, H, t * G, Dv]
         rows = attended.shape[2] // self.padded_groups
         return attended.unflatten(2, (rows, self.padded_groups))[:, :, :, : self.groups].flatten(2, 3)
+
+
+def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[N, H, M, Dv]`` float32: `weights` ``[N, H, M, n']`` (float32) times `values` ``[N, H, n', Dv]`` (n' a multiple
+    of `KEY_TILE`, slot i holding position i), summed tile by tile: one product of `KEY_TILE` keys per tile, then the
+    tiles' products added in key order. One product over all n' keys lets the kernel split its sum by n', which the
+    forward's longest row sets (measured on an Intel Xeon with AMX: float32 products over 1,024 keys, and over the
+    same keys followed by 16 or more zero ones, always round differently; bfloat16 ones now and then, from 112
+    keys); a product of one tile's keys always has one shape, and the running sum (`torch.cumsum`, accumulated in
+    float64 on a CPU) adds the tiles in position order, trailing zero tiles changing nothing."""
+    n, h, m, keys = weights.shape
+    tiles = keys // KEY_TILE
+    tiled_weights = weights.view(n, h, m, tiles, KEY_TILE).transpose(2, 3)  # [N, H, C, M, T]
+    tiled_values = values.float().view(n, h, tiles, KEY_TILE, values.shape[-1])  # [N, H, C, T, Dv]
+    products = torch.matmul(tiled_weights, tiled_values)  # [N, H, C, M, Dv]: a product per tile of keys
+    return products.cumsum(dim=2)[:, :, -1]
 
 
 def _keys_of_rows(inputs: PagedAttentionInputs, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,12 +183,38 @@ def _row_states(storage: StoredStates, row_keys: RowKeys, batch_size: int) -> to
 
 
 @functools.cache
-def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
+def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, window: int | None = None) -> str:
     """Why `attend_invariant`'s products would give a query other bits beside other queries (other rows of a
-    decode forward, or other queries of its row's tile) or over more key padding, at `threads` threads; "" when
-    they do not. Random queries, keys and values (2 key/value heads of `groups` query heads); cached."""
+    decode forward, or other queries of its row's tile) or over more key padding, at `threads` threads, on layers
+    without a window and, if given, on those of a sliding `window`; "" when they do not. Random queries, keys and
+    values (2 key/value heads of `groups` query heads); cached."""
     with torch.inference_mode(False), torch.no_grad():
-        return _probe(head_dim, groups, dtype, threads)
+        return _probe(head_dim, groups, dtype, threads) or (_window_probe(head_dim, groups, dtype, window) if window
+                                                            else "")
+
+
+def _window_probe(head_dim: int, groups: int, dtype: torch.dtype, window: int) -> str:
+    """Why a sliding-window layer's query over a full window of keys (one product over them all, `_Call.attend`)
+    would get other bits beside rows whose keys run longer (the window's block slack); "" when it would not."""
+    generator = torch.Generator().manual_seed(1)
+    call, heads = _Call(2, groups, head_dim ** -0.5, None, window=window), 2
+    length = min(window, 4096)
+    keys, values = (torch.randn(2, heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
+    queries = call.head_rows(torch.randn(2, heads, 1, groups, head_dim, generator=generator).to(dtype))
+    tile = -(-length // KEY_TILE) * KEY_TILE
+
+    def attend(size: int, rows: int) -> torch.Tensor:
+        seen = torch.zeros(rows, 1, call.padded_groups, size, dtype=torch.bool)
+        seen[..., :length] = True
+        padded = [F.pad(states[:rows], (0, 0, 0, size - length)) for states in (keys, values)]
+        return call.attend(queries[:rows], *padded, seen)[:1]
+
+    alone = attend(tile, 1)
+    for size in (tile + KEY_TILE, tile + 3 * KEY_TILE):
+        if not torch.equal(attend(size, 2), alone):
+            return (f"a query over a window of {length} keys changed beside a row of {size} keys (the sliding "
+                    f"window's one product over its keys)")
+    return ""
 
 
 def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
@@ -179,7 +224,8 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int = 0,
+               length: int = length, call: _Call = call) -> torch.Tensor:
         """``[N, H, t, g, Dv]``: queries ``[N, H, t, g, D]`` over keys ``[N, H, n', D]`` whose real ones are the
         `length` after `lead` (the others masked, as a sliding window's or padding)."""
         seen = torch.zeros(keys.shape[0], 1, queries.shape[2] * call.padded_groups, keys.shape[2], dtype=torch.bool)
@@ -216,8 +262,20 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
             tile_queries[:, :, at : at + taken] = queries[:, :, :taken]
             if not torch.equal(attend(tile_queries, keys, values)[:, :, at : at + taken], alone[:, :, :taken]):
                 return f"a query's attention changed in a tile of {tile} at {threads} threads"
+    # a sliding window's query: the keys outside its window masked in front
+    windowed = _Call(2, groups, head_dim ** -0.5, None, window=length)
     for lead in (5, 16, 240):
         shifted = [padded(states[..., :length, :], 320, lead) for states in (keys, values)]
-        if not torch.equal(attend(queries, *shifted, lead=lead), attend(queries, keys, values)):
+        if not torch.equal(attend(queries, *shifted, lead=lead, call=windowed),
+                           attend(queries, keys, values, call=windowed)):
             return f"a query's attention changed after {lead} masked keys, at {threads} threads"
+    # a long row alone, then beside longer rows (more key padding: kernels split long sums by their length)
+    long = 1000
+    keys, values = random(2, heads, long, head_dim), random(2, heads, long, head_dim)
+    queries = random(2, heads, 1, groups, head_dim)
+    alone = attend(queries[:1], F.pad(keys[:1], (0, 0, 0, 8)), F.pad(values[:1], (0, 0, 0, 8)), length=long)
+    for size in (1024, 1040, 2048):
+        beside = [F.pad(states, (0, 0, 0, size - long)) for states in (keys, values)]
+        if not torch.equal(attend(queries, *beside, length=long)[:1], alone):
+            return f"a query's attention over {long} keys changed beside a row of {size}, at {threads} threads"
     return ""
