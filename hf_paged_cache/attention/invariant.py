@@ -6,14 +6,16 @@ on the shape: a row's attention changes in its last bits with the rows beside it
 query came in, and between a prefill and a decode step. Here every query, in any forward, is computed the same
 way: its own row's keys and values, gathered from the pool and padded with zeros at the end to a whole number of
 `KEY_TILE` positions, masked past the query's position; the query heads that share a key/value head, padded with
-zero rows to a multiple of `HEAD_ROWS`, multiplied by them in a batched product; a float32 softmax; a second
-batched product with the values. A decode forward attends all its rows in one pair of products (a batch entry
-per row and key/value head), a longer forward each row's queries in tiles of one product each. The padding only
-appends exact zeros to every sum, and the products sum each row of theirs in an order that neither the other
-rows nor the padding change: so a query's output depends on its row's keys and values and nothing else, alone or
-among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
+zero rows to a multiple of `HEAD_ROWS`, multiplied by them in a batched product; a float32 softmax; the values
+weighted tile by tile (`weighted_values`: a product per `VALUE_TILE` key positions, the tiles added in position order,
+since one product over all of a forward's keys may split its sum by their padded length). A decode forward
+attends all its rows in one batched call of each, a longer forward each row's queries in tiles of queries. The
+padding only appends exact zeros to every sum, and the products sum each row of theirs in an order that neither
+the other rows nor the padding change: so a query's output depends on its row's keys and values and nothing else,
+alone or among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
 On a sliding-window layer the keys outside a query's window are masked wherever they sit, which adds zeros in front
-as well. `attention_probe` checks the kernels' part of all that on the machine at hand, for the shapes used.
+as well, so its values are weighted in one product over the keys (tiles would regroup). `attention_probe` checks
+the kernels' part of all that on the machine at hand, for the shapes used.
 
 The price: no fused kernel, and a prefill attends row by row. Attention sinks and dropout are not supported here
 (a clear error says so).
@@ -33,6 +35,8 @@ from .reads import PAST_EVERY_QUERY, PagedAttentionInputs, RowKeys
 
 KEY_TILE = 16
 """A row's stored keys are read padded to a multiple of this many positions (the padding masked, zeros)."""
+VALUE_TILE = 64
+"""The values are weighted in products over this many key positions each, added in order (`weighted_values`)."""
 HEAD_ROWS = 4
 """The query heads of a key/value head are padded with zero rows to a multiple of this many (at least this many):
 on the CPUs measured, a product of 1 row, or of 6 or 9, sums in an order that depends on the other dimensions."""
@@ -132,19 +136,25 @@ class _Call:
 
 
 def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``[N, H, M, Dv]`` float32: `weights` ``[N, H, M, n']`` (float32) times `values` ``[N, H, n', Dv]`` (n' a multiple
-    of `KEY_TILE`, slot i holding position i), summed tile by tile: one product of `KEY_TILE` keys per tile, then the
-    tiles' products added in key order. One product over all n' keys lets the kernel split its sum by n', which the
-    forward's longest row sets (measured on an Intel Xeon with AMX: float32 products over 1,024 keys, and over the
-    same keys followed by 16 or more zero ones, always round differently; bfloat16 ones now and then, from 112
-    keys); a product of one tile's keys always has one shape, and the running sum (`torch.cumsum`, accumulated in
-    float64 on a CPU) adds the tiles in position order, trailing zero tiles changing nothing."""
+    """``[N, H, M, Dv]`` float32: `weights` ``[N, H, M, n']`` (float32) times `values` ``[N, H, n', Dv]`` (slot i
+    holding position i), summed tile by tile: one product per `VALUE_TILE` key positions (zero keys added to fill
+    the last), then the tiles' products added one after another in position order. One product over all n' keys lets
+    the kernel split its sum by n', which the forward's longest row sets (measured on an Intel Xeon with AMX:
+    float32 products over 1,024 keys, and over the same keys followed by 16 or more zero ones, always round
+    differently; bfloat16 ones now and then, from 112 keys); a product of one tile's keys always has one shape, and
+    trailing zero tiles add nothing."""
     n, h, m, keys = weights.shape
-    tiles = keys // KEY_TILE
-    tiled_weights = weights.view(n, h, m, tiles, KEY_TILE).transpose(2, 3)  # [N, H, C, M, T]
-    tiled_values = values.float().view(n, h, tiles, KEY_TILE, values.shape[-1])  # [N, H, C, T, Dv]
+    spare = -keys % VALUE_TILE
+    if spare:
+        weights, values = F.pad(weights, (0, spare)), F.pad(values, (0, 0, 0, spare))
+    tiles = (keys + spare) // VALUE_TILE
+    tiled_weights = weights.view(n, h, m, tiles, VALUE_TILE).transpose(2, 3)  # [N, H, C, M, T]
+    tiled_values = values.float().view(n, h, tiles, VALUE_TILE, values.shape[-1])  # [N, H, C, T, Dv]
     products = torch.matmul(tiled_weights, tiled_values)  # [N, H, C, M, Dv]: a product per tile of keys
-    return products.cumsum(dim=2)[:, :, -1]
+    total = products[:, :, 0].clone()  # [N, H, M, Dv]
+    for tile in range(1, tiles):
+        total += products[:, :, tile]
+    return total
 
 
 def _keys_of_rows(inputs: PagedAttentionInputs, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

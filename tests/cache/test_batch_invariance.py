@@ -198,6 +198,23 @@ def test_a_kernel_that_depends_on_the_batch_is_refused():
     assert not any(is_tiled(layer) for layer in model)  # nothing changed
 
 
+def test_attention_whose_sum_depends_on_the_padding_is_refused(monkeypatch):
+    """The probe puts a row of 1,000 keys beside longer rows: a value product that sums by the padded length (as
+    one product over all keys did on an Intel Xeon, float32, past 1,024 keys) is caught."""
+    from hf_paged_cache.attention import invariant
+
+    def by_length(weights, values):  # [N, H, M, n'] x [N, H, n', Dv], off by 1e-3 past 1,024 keys
+        return torch.matmul(weights, values.float()) + 1e-3 * (weights.shape[-1] > 1024)
+
+    threads = torch.get_num_threads()
+    invariant.attention_probe.cache_clear()
+    monkeypatch.setattr(invariant, "weighted_values", by_length)
+    try:
+        assert "over 1000 keys changed beside a row of" in invariant.attention_probe(64, 3, torch.float32, threads)
+    finally:
+        invariant.attention_probe.cache_clear()
+
+
 class RowCountLinear(nn.Linear):
     """A linear layer whose products depend on how many rows share the call, as some kernels' rounding does (an
     Intel Xeon's bfloat16 products with AMX: 16 rows against 64)."""
@@ -226,3 +243,13 @@ def test_the_mode_can_be_asked_for_under_inference_mode():
     with torch.inference_mode():
         PagedCache(model, batch_invariant=True).release()
     assert all(is_tiled(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_the_batcher_does_not_speculate_in_batch_invariant_mode_but_in_float32():
+    """Measured on an Intel Xeon with AMX: in bfloat16 at 2 threads, verifying drafts changed a request's
+    log-probabilities with the requests beside it. Refused before the model is switched."""
+    model = wide_model("llama", torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="does not speculate on a torch.bfloat16 model"):
+        ContinuousBatcher(model, batch_invariant=True, speculative="ngram")
+    assert not any(is_tiled(m) for m in model.modules())
+    ContinuousBatcher(model, batch_invariant=True, speculative="off").close()
