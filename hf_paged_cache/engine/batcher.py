@@ -156,11 +156,11 @@ class ContinuousBatcher:
                     f"speculative decoding is not supported on {type(model).__name__}, an encoder-decoder model; "
                     "pass speculative=None"
                 )
-        if batch_invariant and speculative not in (None, "off") and model.dtype != torch.float32:
+        if batch_invariant and model.dtype != torch.float32:
             raise NotImplementedError(  # measured, not understood: see docs/determinism.md
-                f"batch-invariant mode does not speculate on a {model.dtype} model (on an Intel Xeon with AMX, in "
-                "bfloat16 at 2 threads, a request's log-probabilities changed with the requests beside it when drafts "
-                "were verified); pass speculative=None (serve: --speculative off)"
+                f"the batcher's batch-invariant mode runs float32 models only, not {model.dtype}: on an Intel Xeon "
+                "with AMX a bfloat16 request's log-probabilities changed with the requests beside it in packed steps "
+                "(generate with PagedCache(model, batch_invariant=True) keeps them)"
             )
         self.model = model
         if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES and not encoder_decoder:

@@ -109,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "request's own prompt and answer; draft:MODEL those a smaller model with the same "
                              "tokenizer writes (a Hub id, a local path or an offline name, loaded as --model is); "
                              "off: one token per request and step (default: ngram, or off for a model with "
-                             "conv / recurrent states, which cannot give back rejected drafts, and with "
-                             "--batch-invariant on a model not in float32)")
+                             "conv / recurrent states, which cannot give back rejected drafts)")
     parser.add_argument("--speculative-tokens", type=_positive, default=4,
                         help="most draft tokens per request and step with --speculative (default: 4)")
     parser.add_argument(
@@ -322,11 +321,8 @@ def _compile_flex_decode(batcher: ContinuousBatcher) -> None:
 def _speculative_option(options: argparse.Namespace, dtype: torch.dtype, model: Any) -> Any:
     """What the batcher's ``speculative=`` takes for ``--speculative``: its name, or the draft model loaded (its
     linear layers packed as the target's are, with ``--packed-linears``). Not given: ``"ngram"``, or ``"off"``
-    (said in the log) for a model with conv / recurrent states, which cannot give back rejected drafts, and with
-    ``--batch-invariant`` on a model not in float32; asked for explicitly there, the batcher refuses it with its
-    reason."""
-    import torch
-
+    (said in the log) for a model with conv / recurrent states, which cannot give back rejected drafts; asked
+    for explicitly on such a model, the batcher refuses it with its reason."""
     from ..kinds import keeps_states
 
     choice = options.speculative
@@ -337,9 +333,6 @@ def _speculative_option(options: argparse.Namespace, dtype: torch.dtype, model: 
         if keeps_states(model.config):
             logger.info("speculative decoding is off: %s has layers with conv / recurrent states, which cannot "
                         "give back rejected drafts", options.model)
-            return "off"
-        if getattr(options, "batch_invariant", False) and dtype != torch.float32:
-            logger.info("speculative decoding is off: batch-invariant mode does not speculate on a %s model", dtype)
             return "off"
         return "ngram"
     if not choice.startswith("draft:"):
