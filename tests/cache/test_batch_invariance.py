@@ -253,3 +253,12 @@ def test_the_batchers_batch_invariant_mode_runs_float32_models_only():
     with pytest.raises(NotImplementedError, match="float32 models only, not torch.bfloat16"):
         ContinuousBatcher(model, batch_invariant=True)
     assert not any(is_tiled(m) for m in model.modules())
+
+
+def test_a_bfloat16_batch_invariant_cache_refuses_the_prefix_cache():
+    """Measured on an Intel Xeon with AMX: a bfloat16 prompt started from cached blocks got other logits than
+    computed whole; the float32 one keeps them (the batcher tests above)."""
+    model = wide_model("llama", torch.bfloat16)
+    text = prompt().unsqueeze(0)
+    with PagedCache(model, batch_invariant=True) as cache, pytest.raises(NotImplementedError, match="reuse_prefix"):
+        cache.reuse_prefix(text)
