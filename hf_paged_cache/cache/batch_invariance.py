@@ -54,8 +54,8 @@ def make_batch_invariant(model: PreTrainedModel | None, specs: list[LayerSpec], 
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     groups = heads // (getattr(text, "num_key_value_heads", None) or heads)
-    windows = sorted({spec.window for spec in specs if spec.window is not None})
-    problem = attention_probe(head_dim, groups, model.dtype, torch.get_num_threads(), max(windows, default=None))
+    window = max((spec.window for spec in specs if spec.window is not None), default=None)  # the longest
+    problem = attention_probe(head_dim, groups, model.dtype, torch.get_num_threads(), window)
     if problem:
         raise RuntimeError(f"batch-invariant attention is not available on this machine: {problem}")
     if getattr(config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES:
