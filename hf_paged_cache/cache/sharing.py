@@ -121,12 +121,6 @@ class BlockSharing:
             raise ValueError("reuse_prefix() needs an empty cache; call reset() first")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("reuse_prefix() needs unpadded rows: a padded prompt's blocks are not position-aligned")
-        if self.batch_invariant and self.pool.dtype != torch.float32:
-            raise NotImplementedError(  # measured, not understood: docs/determinism.md
-                f"reuse_prefix() on a batch-invariant cache of {self.pool.dtype}: measured on an Intel Xeon with AMX, "
-                "a bfloat16 prompt started from cached blocks got other logits than computed whole (float32 keeps "
-                "them); compute the prompt instead"
-            )
         with self.batch.lock:
             length = self.batch.adopt_prefix(input_ids.tolist(), input_ids.device)
             for layer in self.layers:

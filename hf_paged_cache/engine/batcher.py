@@ -156,8 +156,6 @@ class ContinuousBatcher:
                     f"speculative decoding is not supported on {type(model).__name__}, an encoder-decoder model; "
                     "pass speculative=None"
                 )
-        if batch_invariant:
-            _check_invariant_dtype(model)
         self.model = model
         if getattr(model.config, "_attn_implementation", None) not in PAGED_ATTENTION_NAMES and not encoder_decoder:
             try:
@@ -380,16 +378,6 @@ class ContinuousBatcher:
     @property
     def preemptions(self) -> int:
         return self._scheduler.counts.preemptions
-
-
-def _check_invariant_dtype(model: PreTrainedModel) -> None:
-    """Refuse batch-invariant mode on a model not in float32: measured, not understood (docs/determinism.md)."""
-    if model.dtype != torch.float32:
-        raise NotImplementedError(
-            f"the batcher's batch-invariant mode runs float32 models only, not {model.dtype}: on an Intel Xeon with "
-            "AMX a bfloat16 prompt started from the prefix cache (which the batcher always uses) got other "
-            "log-probabilities than computed whole"
-        )
 
 
 def _serve(inbox: Inbox, scheduler: Scheduler, executor: StepExecutor, listeners: list) -> None:

@@ -63,6 +63,7 @@ TILED_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D, Int8Linear, Int4L
 """The layers `tile_rows` tiles (`PackedLinear` is an `nn.Linear`; transformers' `Conv1D` is GPT-2's linear layer)."""
 _PROBE_ROWS = (2, 7, 16, 17, 64, 300)
 _PROBE_TARGETS = 64
+_LARGE = 2.0**20  # `_cancelling`'s inputs: a product of ~2**15 holds a sum of ~1 to about 2**-9 (float32's 24 bits)
 
 
 def tiled_forward(module: nn.Module, tile: RowTile, x: torch.Tensor) -> torch.Tensor:
@@ -167,12 +168,15 @@ def _probe(kind: type[nn.Module], in_features: int, out_features: int, bias: boo
            threads: int, tile: RowTile) -> str:
     generator = torch.Generator().manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float32)
-    linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5  # [N, K]
+    half = in_features // 2
+    weight[:, half : 2 * half] = weight[:, :half]  # input j and j + K/2 meet the same weights: see `_cancelling`
+    linear.weight.copy_(weight)
     if bias:
         linear.bias.copy_(torch.randn(out_features, generator=generator))
     layer = _probe_layer(kind, linear, dtype)
     _install(layer, tile)
-    targets = torch.randn(_PROBE_TARGETS, in_features, generator=generator).to(dtype)  # [T, K]
+    targets = _cancelling(torch.randn(_PROBE_TARGETS, in_features, generator=generator), generator).to(dtype)
     alone = torch.cat([layer(row) for row in targets.split(1)])  # [T, N], each row in a call of its own
     for rows in _PROBE_ROWS:
         count = min(rows, _PROBE_TARGETS)
@@ -182,6 +186,25 @@ def _probe(kind: type[nn.Module], in_features: int, out_features: int, bias: boo
             if not torch.equal(layer(batch)[at : at + count], alone[:count]):
                 return f"a row's product changed among {rows} rows (rows {at}-{at + count - 1}) at {threads} threads"
     return ""
+
+
+def _cancelling(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`rows` ``[T, K]`` with, in each row, a large input and its negative at a random j and j + K/2 (the probe's
+    weights are equal there), so that each output holds a sum whose rounding shows the order of its terms.
+
+    The two products cancel exactly, but the terms summed while only one of them is in the running sum lose their
+    low bits to it, and which terms those are depends on how the kernel splits and orders the sum. On plain random
+    inputs another order changes only about one output in ten thousand in bfloat16 (measured on an Intel Xeon with
+    AMX: ``nn.Linear(576, 576)`` rounds rows from the 33rd of a call on in another order than a row alone, which
+    a probe of 64 random rows missed); here it changes most of them.
+    """
+    half = rows.shape[1] // 2
+    if half:
+        at = torch.randint(0, half, (rows.shape[0],), generator=generator)  # [T]
+        picked = torch.arange(rows.shape[0])
+        rows[picked, at] = _LARGE
+        rows[picked, at + half] = -_LARGE
+    return rows
 
 
 def _probe_layer(kind: type[nn.Module], linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
