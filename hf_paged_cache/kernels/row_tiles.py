@@ -156,9 +156,10 @@ def tiles_probe(kind: type[nn.Module], in_features: int, out_features: int, bias
                 threads: int, tile: RowTile) -> str:
     """Why a layer of this kind, shape and bias, tiled in `tile`s, would not give a row of
     `dtype` the same bits whatever rows share its call, at `threads` threads; "" when it does. Checked on random
-    weights: `_PROBE_TARGETS` rows, each computed alone, then among inputs of `_PROBE_ROWS` rows (as many of them
-    as fit, at the start and at the end). Many rows, because another summation order changes only a few of a row's
-    outputs (in bfloat16 about one in ten thousand: measured, 1,536 inputs, one row against 32). Cached.
+    weights: `_PROBE_TARGETS` rows, each computed alone, then among random inputs of `_PROBE_ROWS` rows (as many of
+    them as fit, at the start and at the end). The target rows' inputs cancel (`_cancelling`), because on random
+    inputs another summation order changes only a few of a row's outputs (in bfloat16 about one in ten thousand:
+    measured, 1,536 inputs, one row against 32). Cached.
     """
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, even when asked under inference mode
         return _probe(kind, in_features, out_features, bias, dtype, threads, tile)
@@ -193,10 +194,10 @@ def _cancelling(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     weights are equal there), so that each output holds a sum whose rounding shows the order of its terms.
 
     The two products cancel exactly, but the terms summed while only one of them is in the running sum lose their
-    low bits to it, and which terms those are depends on how the kernel splits and orders the sum. On plain random
-    inputs another order changes only about one output in ten thousand in bfloat16 (measured on an Intel Xeon with
-    AMX: ``nn.Linear(576, 576)`` rounds rows from the 33rd of a call on in another order than a row alone, which
-    a probe of 64 random rows missed); here it changes most of them.
+    low bits to it, and which terms those are depends on how the kernel splits and orders the sum. Measured on an
+    Intel Xeon with AMX, whose bfloat16 ``nn.Linear(576, 576)`` rounds rows from the 33rd of a call on in another
+    order than a row alone: 64 rows put there changed 0.005% of their outputs (2 rows) on random inputs, which a
+    probe of random rows missed, and 45% (all 64 rows) on these.
     """
     half = rows.shape[1] // 2
     if half:
