@@ -37,10 +37,13 @@ KEY_TILE = 16
 """A row's stored keys are read padded to a multiple of this many positions (the padding masked, zeros)."""
 VALUE_TILE = 64
 """The values are weighted in products over this many key positions each, added in order (`weighted_values`)."""
-HEAD_ROWS = 4
-"""The query heads of a key/value head are padded with zero rows to a multiple of this many (at least this many):
-on the CPUs measured, a product of 1 row, or of 6 or 9, sums in an order that depends on the other dimensions."""
+HEAD_ROWS = (4, 8, 16)
+"""The multiples the query heads of a key/value head may be padded to with zero rows (at least one multiple), cheapest
+first; `head_rows` picks the first whose products give each query the same bits here. On the CPUs measured, a
+product of 1 row, or of 6 or 9, sums in an order that depends on the other dimensions, and on an Intel Xeon with AMX
+a float32 one over 128 dimensions sums 4 rows in another order than 8 or more."""
 _PROBE_QUERIES = 32  # another summation order shows in few of a query's outputs: the probe compares many
+_LARGE = 2.0**20  # the probe's cancelling inputs (`_cancelling_queries`, `_cancelling_states`)
 QUERY_CHUNK_KEYS = 1 << 16
 """A row's queries are attended in tiles of at most this many (query, key position) pairs, which bounds the scores
 one product makes."""
@@ -62,8 +65,9 @@ def attend_invariant(
     """
     batch_size, query_heads, query_length, head_dim = query.shape
     heads = inputs.num_kv_heads
-    call = _Call(heads, query_heads // heads, scaling if scaling is not None else head_dim ** -0.5, softcap,
-                 inputs.window)
+    groups = query_heads // heads
+    call = _Call(heads, groups, scaling if scaling is not None else head_dim ** -0.5, softcap, inputs.window,
+                 head_rows(head_dim, groups, query.dtype, torch.get_num_threads()))
     out = query.new_zeros(batch_size, query_length, query_heads, inputs.values.dim)
     keys, values, key_positions = _keys_of_rows(inputs, batch_size)  # [B, H, n', D], [B, H, n', Dv], [B, n']
     spans, picked, positions = inputs.queries.spans, inputs.queries.picked, inputs.queries.positions
@@ -101,6 +105,7 @@ class _Call:
     scale: float
     softcap: float | None
     window: int | None = None  # a sliding-window layer's window
+    rows: int = HEAD_ROWS[0]  # the query heads of a key/value head are padded to a multiple of this (`head_rows`)
 
     def seen(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """``[t, n']`` (``[N, 1, n']`` for keys ``[N, n']`` and one query): True where a query at `query_positions`
@@ -111,8 +116,8 @@ class _Call:
 
     @property
     def padded_groups(self) -> int:
-        """G: `groups` rounded up to a multiple of `HEAD_ROWS`."""
-        return max(HEAD_ROWS, -(-self.groups // HEAD_ROWS) * HEAD_ROWS)
+        """G: `groups` rounded up to a multiple of `rows`."""
+        return -(-self.groups // self.rows) * self.rows
 
     def head_rows(self, queries: torch.Tensor) -> torch.Tensor:
         """``[N, H, t * G, D]``: queries ``[N, H, t, g, D]`` with each query's g heads padded with zero rows to G."""
@@ -193,62 +198,97 @@ def _row_states(storage: StoredStates, row_keys: RowKeys, batch_size: int) -> to
 
 
 @functools.cache
-def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, window: int | None = None) -> str:
-    """Why `attend_invariant`'s products would give a query other bits beside other queries (other rows of a
-    decode forward, or other queries of its row's tile) or over more key padding, at `threads` threads, on layers
-    without a window and, if given, on those of a sliding `window`; "" when they do not. Random queries, keys and
-    values (2 key/value heads of `groups` query heads); cached."""
+def head_rows(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> int:
+    """The first of `HEAD_ROWS` under which `attend_invariant`'s products give a query the same bits beside other
+    queries (other rows of a decode forward, or other queries of its row's tile) and over more key padding, at
+    `threads` threads, on layers without a window (`_probe`; cancelling inputs, 2 key/value heads of `groups` query
+    heads). Cached.
+
+    Raises:
+        RuntimeError: none does, with each one's problem.
+    """
+    problems = []
     with torch.inference_mode(False), torch.no_grad():
-        return _probe(head_dim, groups, dtype, threads) or (_window_probe(head_dim, groups, dtype, window) if window
-                                                            else "")
+        for multiple in HEAD_ROWS:
+            problem = _probe(head_dim, groups, dtype, threads, multiple)
+            if not problem:
+                return multiple
+            problems.append(f"heads padded to a multiple of {multiple}: {problem}")
+    raise RuntimeError("; ".join(problems))
 
 
-def _window_probe(head_dim: int, groups: int, dtype: torch.dtype, window: int) -> str:
+@functools.cache
+def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, window: int | None = None) -> str:
+    """Why `attend_invariant` would give a query other bits beside other queries or over more key padding, at
+    `threads` threads: no `head_rows` serves, or, given a sliding `window`, its layers' one product over the window
+    (`_window_probe`) fails; "" when neither. Cached."""
+    try:
+        rows = head_rows(head_dim, groups, dtype, threads)
+    except RuntimeError as error:
+        return str(error)
+    if window is None:
+        return ""
+    with torch.inference_mode(False), torch.no_grad():
+        return _window_probe(head_dim, groups, dtype, window, rows)
+
+
+def _window_probe(head_dim: int, groups: int, dtype: torch.dtype, window: int, rows: int) -> str:
     """Why a sliding-window layer's query over a full window of keys (one product over them all, `_Call.attend`)
-    would get other bits beside rows whose keys run longer (the window's block slack); "" when it would not."""
+    would get other bits beside rows whose keys run longer (the window's block slack), or after keys masked in front
+    (those out of its window, read or not depending on the forward); "" when it would not."""
     generator = torch.Generator().manual_seed(1)
-    call, heads = _Call(2, groups, head_dim ** -0.5, None, window=window), 2
+    call, heads = _Call(2, groups, head_dim ** -0.5, None, window=window, rows=rows), 2
     length = min(window, 4096)
-    keys, values = (torch.randn(2, heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
-    queries = call.head_rows(torch.randn(2, heads, 1, groups, head_dim, generator=generator).to(dtype))
-    tile = -(-length // KEY_TILE) * KEY_TILE
+    keys, values = _cancelling_states(*(torch.randn(2, heads, length, head_dim, generator=generator).to(dtype)
+                                        for _ in range(2)))
+    queries = call.head_rows(_cancelling_queries(torch.randn(2, heads, 1, groups, head_dim,
+                                                             generator=generator).to(dtype)))
 
-    def attend(size: int, rows: int) -> torch.Tensor:
-        seen = torch.zeros(rows, 1, call.padded_groups, size, dtype=torch.bool)
-        seen[..., :length] = True
-        padded = [F.pad(states[:rows], (0, 0, 0, size - length)) for states in (keys, values)]
-        return call.attend(queries[:rows], *padded, seen)[:1]
+    def attend(count: int, lead: int = 0, slack: int = 0) -> torch.Tensor:
+        """The first query's output, among `count` rows whose keys follow `lead` masked ones, padded with zero keys
+        to whole `KEY_TILE`s and `slack` more."""
+        size = -(-(lead + length) // KEY_TILE) * KEY_TILE + slack
+        seen = torch.zeros(count, 1, call.padded_groups, size, dtype=torch.bool)
+        seen[..., lead : lead + length] = True
+        padded = [F.pad(states[:count], (0, 0, lead, size - length - lead)) for states in (keys, values)]
+        return call.attend(queries[:count], *padded, seen)[:1]
 
-    alone = attend(tile, 1)
-    for size in (tile + KEY_TILE, tile + 3 * KEY_TILE):
-        if not torch.equal(attend(size, 2), alone):
-            return (f"a query over a window of {length} keys changed beside a row of {size} keys (the sliding "
+    alone = attend(1)
+    for slack in (KEY_TILE, 3 * KEY_TILE):
+        if not torch.equal(attend(2, slack=slack), alone):
+            return (f"a query over a window of {length} keys changed beside a row of {slack} keys more (the sliding "
                     f"window's one product over its keys)")
+    for lead in (5, 16, 240):
+        if not torch.equal(attend(1, lead=lead), alone):
+            return f"a query over a window of {length} keys changed after {lead} masked keys"
     return ""
 
 
-def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
+def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, multiple: int) -> str:
+    """Why a query's output would change beside other queries, with the query heads padded to a `multiple`."""
     generator = torch.Generator().manual_seed(0)
-    call, heads, length, count = _Call(2, groups, head_dim ** -0.5, None), 2, 37, _PROBE_QUERIES
+    call, heads, length, count = _Call(2, groups, head_dim ** -0.5, None, rows=multiple), 2, 37, _PROBE_QUERIES
 
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lead: int = 0,
-               length: int = length, call: _Call = call) -> torch.Tensor:
-        """``[N, H, t, g, Dv]``: queries ``[N, H, t, g, D]`` over keys ``[N, H, n', D]`` whose real ones are the
-        `length` after `lead` (the others masked, as a sliding window's or padding)."""
+    def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int = length) -> torch.Tensor:
+        """``[N, H, t, g, Dv]``: queries ``[N, H, t, g, D]`` over keys ``[N, H, n', D]`` whose first `length` are
+        real (the others masked padding)."""
         seen = torch.zeros(keys.shape[0], 1, queries.shape[2] * call.padded_groups, keys.shape[2], dtype=torch.bool)
-        seen[..., lead : lead + length] = True
+        seen[..., :length] = True
         out = call.attend(call.head_rows(queries), keys, values, seen)  # [N, H, t * g, Dv]
         return out.unflatten(2, (queries.shape[2], groups))
 
-    def padded(states: torch.Tensor, size: int, lead: int = 0) -> torch.Tensor:  # zeros around the real ones
-        return F.pad(states, (0, 0, lead, size - length - lead))
+    def padded(states: torch.Tensor, size: int) -> torch.Tensor:  # zero keys after the real ones
+        return F.pad(states, (0, 0, 0, size - length))
 
     # a decode forward: each target query with keys of its own, alone, then among `rows` rows
+    # half the targets random, half cancelling (`_cancelling_queries`): each input shows other reorderings
     queries = random(count, heads, 1, groups, head_dim)
     keys, values = random(count, heads, length, head_dim), random(count, heads, length, head_dim)
+    _cancelling_queries(queries[count // 2 :])
+    _cancelling_states(keys[count // 2 :], values[count // 2 :])
     alone = torch.cat([attend(queries[i : i + 1], padded(keys[i : i + 1], 48), padded(values[i : i + 1], 48))
                        for i in range(count)])  # [T, H, 1, g, Dv]
     for rows, size in itertools.product((2, 7, 64), (48, 64, 320)):
@@ -261,9 +301,10 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
             row_keys[batch], row_values[batch] = padded(keys[:taken], size), padded(values[:taken], size)
             if not torch.equal(attend(row_queries, row_keys, row_values)[batch], alone[:taken]):
                 return f"a query's attention changed in rows {at}-{at + taken - 1} of {rows} at {threads} threads"
-    # a longer forward: target queries of one row, each alone, then in a tile of `tile`, then after masked keys
+    # a longer forward: target queries of one row, each alone, then in a tile of `tile`
     queries = random(1, heads, count, groups, head_dim)
-    keys, values = padded(keys[:1], 48), padded(values[:1], 48)
+    _cancelling_queries(queries[:, :, count // 2 :])
+    keys, values = padded(keys[-1:], 48), padded(values[-1:], 48)  # a cancelling target's
     alone = torch.cat([attend(queries[:, :, i : i + 1], keys, values) for i in range(count)], dim=2)
     for tile in (2, 7, 64):
         taken = min(tile, count)
@@ -272,20 +313,38 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> str:
             tile_queries[:, :, at : at + taken] = queries[:, :, :taken]
             if not torch.equal(attend(tile_queries, keys, values)[:, :, at : at + taken], alone[:, :, :taken]):
                 return f"a query's attention changed in a tile of {tile} at {threads} threads"
-    # a sliding window's query: the keys outside its window masked in front
-    windowed = _Call(2, groups, head_dim ** -0.5, None, window=length)
-    for lead in (5, 16, 240):
-        shifted = [padded(states[..., :length, :], 320, lead) for states in (keys, values)]
-        if not torch.equal(attend(queries, *shifted, lead=lead, call=windowed),
-                           attend(queries, keys, values, call=windowed)):
-            return f"a query's attention changed after {lead} masked keys, at {threads} threads"
     # a long row alone, then beside longer rows (more key padding: kernels split long sums by their length)
     long = 1000
-    keys, values = random(2, heads, long, head_dim), random(2, heads, long, head_dim)
-    queries = random(2, heads, 1, groups, head_dim)
-    alone = attend(queries[:1], F.pad(keys[:1], (0, 0, 0, 8)), F.pad(values[:1], (0, 0, 0, 8)), length=long)
-    for size in (1024, 1040, 2048):
-        beside = [F.pad(states, (0, 0, 0, size - long)) for states in (keys, values)]
-        if not torch.equal(attend(queries, *beside, length=long)[:1], alone):
-            return f"a query's attention over {long} keys changed beside a row of {size}, at {threads} threads"
+    for cancelling in (False, True):
+        keys, values = random(2, heads, long, head_dim), random(2, heads, long, head_dim)
+        queries = random(2, heads, 1, groups, head_dim)
+        if cancelling:
+            _cancelling_states(keys, values), _cancelling_queries(queries)
+        alone = attend(queries[:1], F.pad(keys[:1], (0, 0, 0, 8)), F.pad(values[:1], (0, 0, 0, 8)), length=long)
+        for size in (1024, 1040, 2048):
+            beside = [F.pad(states, (0, 0, 0, size - long)) for states in (keys, values)]
+            if not torch.equal(attend(queries, *beside, length=long)[:1], alone):
+                return f"a query's attention over {long} keys changed beside a row of {size}, at {threads} threads"
     return ""
+
+
+def _cancelling_queries(queries: torch.Tensor) -> torch.Tensor:
+    """`queries` ``[..., D]`` with a large value and its negative in dimensions 0 and D/2, in place; over keys equal
+    in those two dimensions (`_cancelling_states`) the two products cancel exactly, and the score's rounding shows
+    the order in which the product summed the others (as `row_tiles._cancelling` does for linear layers: on random
+    inputs another order changes few bfloat16 outputs, and the probe would miss it)."""
+    queries[..., 0] = _LARGE
+    queries[..., queries.shape[-1] // 2] = -_LARGE
+    return queries
+
+
+def _cancelling_states(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[N, H, n, D]`` equal in dimensions 0 and D/2 (for `_cancelling_queries`), and the keys of positions
+    1 and n - 2 equal, their values a large value and its negative: the weighted values then hold a sum whose
+    rounding shows the order of its terms, across tiles of keys too. In place."""
+    keys[..., keys.shape[-1] // 2] = keys[..., 0]
+    first, last = 1, keys.shape[2] - 2
+    keys[:, :, last] = keys[:, :, first]
+    values[:, :, first] = _LARGE
+    values[:, :, last] = -_LARGE
+    return keys, values

@@ -19,9 +19,10 @@ NEW_TOKENS = 6
 WIDE = {
     "llama": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
-    # query and key norms, head_dim given apart from the hidden size
+    # query and key norms, head_dim given apart from the hidden size (128: on an Intel Xeon with AMX, float32 products
+    # over 128 dimensions sum 4 query rows in another order than 8, so the heads are padded to 8 there)
     "qwen3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64),
+                  num_key_value_heads=2, head_dim=128),
     # multi-head attention (one query head per key/value head), learned positions, transformers' Conv1D layers
     "gpt2": dict(n_embd=256, n_layer=2, n_head=4, n_positions=512),
     # sliding windows shorter than the prompts (a long forward attends new keys that the window does not store)
@@ -213,6 +214,29 @@ def test_attention_whose_sum_depends_on_the_padding_is_refused(monkeypatch):
     try:
         assert "over 1000 keys changed beside a row of" in invariant.attention_probe(64, 3, torch.float32, threads)
     finally:
+        invariant.attention_probe.cache_clear()
+
+
+def test_attention_whose_sum_depends_on_the_query_rows_gets_more_head_rows(monkeypatch):
+    """A value product that rounds calls of fewer than 8 query rows otherwise (as float32 products over 128
+    dimensions did on an Intel Xeon with AMX, 4 rows against 8) pads each query's heads to 8 rows."""
+    from hf_paged_cache.attention import invariant
+
+    weighted_values = invariant.weighted_values
+
+    def by_rows(weights, values):  # [N, H, M, n'] x [N, H, n', Dv], off by 1e-3 below 8 rows
+        return weighted_values(weights, values) + 1e-3 * (weights.shape[2] < 8)
+
+    threads = torch.get_num_threads()
+    invariant.head_rows.cache_clear()
+    invariant.attention_probe.cache_clear()
+    monkeypatch.setattr(invariant, "weighted_values", by_rows)
+    try:
+        assert "a tile of 2" in invariant._probe(64, 3, torch.float32, threads, 4)
+        assert invariant.head_rows(64, 3, torch.float32, threads) == 8
+        assert invariant.attention_probe(64, 3, torch.float32, threads) == ""
+    finally:
+        invariant.head_rows.cache_clear()
         invariant.attention_probe.cache_clear()
 
 
