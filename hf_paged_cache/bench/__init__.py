@@ -82,6 +82,7 @@ __all__ = [
     "Timer",
     "Workload",
     "add_common_args",
+    "add_workload_args",
     "cache_tensor_bytes",
     "fixed_length_workload",
     "format_table",

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_paged_cache.models import default_model, offline
+from hf_paged_cache.models import offline
 from hf_paged_cache.models.default_model import (
     DEFAULT_MODEL,
     default_cache_dir,
