@@ -6,7 +6,8 @@ on the shape: a row's attention changes in its last bits with the rows beside it
 query came in, and between a prefill and a decode step. Here every query, in any forward, is computed the same
 way: its own row's keys and values, gathered from the pool and padded with zeros at the end to a whole number of
 `KEY_TILE` positions, masked past the query's position; the query heads that share a key/value head, padded with
-zero rows to a multiple of `HEAD_ROWS`, multiplied by them in a batched product; a float32 softmax; the values
+zero rows to a multiple of 4, 8 or 16 (`head_rows`: the first whose products hold here), multiplied by them in a
+batched product; a float32 softmax; the values
 weighted tile by tile (`weighted_values`: a product per `VALUE_TILE` key positions, the tiles added in position order,
 since one product over all of a forward's keys may split its sum by their padded length). A decode forward
 attends all its rows in one batched call of each, a longer forward each row's queries in tiles of queries. The
@@ -14,8 +15,8 @@ padding only appends exact zeros to every sum, and the products sum each row of 
 the other rows nor the padding change: so a query's output depends on its row's keys and values and nothing else,
 alone or among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
 On a sliding-window layer the keys outside a query's window are masked wherever they sit, which adds zeros in front
-as well, so its values are weighted in one product over the keys (tiles would regroup). `attention_probe` checks
-the kernels' part of all that on the machine at hand, for the shapes used.
+as well, so its values are weighted in one product over the keys (tiles would regroup). `head_rows` and
+`attention_probe` check the kernels' part of all that on the machine at hand, for the shapes used.
 
 The price: no fused kernel, and a prefill attends row by row. Attention sinks and dropout are not supported here
 (a clear error says so).
