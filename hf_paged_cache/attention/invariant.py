@@ -14,8 +14,10 @@ attends all its rows in one batched call of each, a longer forward each row's qu
 padding only appends exact zeros to every sum, and the products sum each row of theirs in an order that neither
 the other rows nor the padding change: so a query's output depends on its row's keys and values and nothing else,
 alone or among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
-On a sliding-window layer the keys outside a query's window are masked wherever they sit, which adds zeros in front
-as well, so its values are weighted in one product over the keys (tiles would regroup). `head_rows` and
+On a sliding-window layer the keys read start where the window does, which moves with the forward (a prefill
+reads keys a decode step no longer holds): there each row's keys are placed by their index among its real tokens
+(`_by_real_index`), so that a tile of values holds the same keys in any forward, the keys outside a query's window
+masked wherever they sit, and whole tiles of masked keys in front add zeros only. `head_rows` and
 `attention_probe` check the kernels' part of all that on the machine at hand, for the shapes used.
 
 The price: no fused kernel, and a prefill attends row by row. Attention sinks and dropout are not supported here
@@ -133,10 +135,7 @@ class _Call:
             scores = self.softcap * torch.tanh(scores / self.softcap)
         scores = scores.masked_fill(~seen, float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1)  # [N, H, t * G, n'] float32
-        if self.window is None:  # keys at their positions from slot 0: whole tiles of positions
-            attended = weighted_values(weights, values).to(values.dtype)  # [N, H, t * G, Dv]
-        else:
-            attended = torch.matmul(weights.to(values.dtype), values)  # [N, H, t * G, Dv]
+        attended = weighted_values(weights, values).to(values.dtype)  # [N, H, t * G, Dv]
         rows = attended.shape[2] // self.padded_groups
         return attended.unflatten(2, (rows, self.padded_groups))[:, :, :, : self.groups].flatten(2, 3)
 
@@ -164,25 +163,43 @@ def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
 
 
 def _keys_of_rows(inputs: PagedAttentionInputs, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's keys ``[B, H, n', D]``, values ``[B, H, n', Dv]`` and their positions ``[B, n']``: its stored
-    keys (`RowKeys.padded`: padding at the end, at a position no query sees), then, in a forward whose new tokens
-    are not all stored (a sliding window's forward longer than it keeps), every new token's as the layer computed
-    it (a padding token's at a position no query sees)."""
+    """Every row's keys ``[B, H, n', D]``, values ``[B, H, n', Dv]`` and their positions ``[B, n']``, laid out by
+    their index among the row's real tokens: its stored keys from the first (`RowKeys.padded`: padding at the end,
+    at a position no query sees) or, on a sliding-window layer, placed by `_by_real_index`."""
     positions = inputs.row_keys.padded(KEY_TILE)[1]  # [B, n']
     with inputs.lock.shared():
         keys = _row_states(inputs.keys, inputs.row_keys, batch_size)  # [B, H, n', D]
         values = _row_states(inputs.values, inputs.row_keys, batch_size)  # [B, H, n', Dv]
-    if inputs.new_states is None:
+    if inputs.window is None and inputs.new_states is None:  # the keys from each row's first real token
         return keys, values, positions
-    queries = inputs.queries
-    new_positions = queries.positions.unsqueeze(0).repeat(batch_size, 1)  # [B, q]
-    for b, picked in enumerate(queries.picked):
-        if picked is not None:  # some of the row's new tokens are padding
-            real = torch.zeros(new_positions.shape[1], dtype=torch.bool, device=new_positions.device)
-            new_positions[b] = new_positions[b].where(real.index_fill(0, picked, True), PAST_EVERY_QUERY)
-    new_keys, new_values = inputs.new_states  # [B, H, q, D], [B, H, q, Dv]
-    return (torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2),
-            torch.cat([positions, new_positions], dim=1))
+    return _by_real_index(inputs, keys, values, positions)
+
+
+def _by_real_index(inputs: PagedAttentionInputs, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sliding-window layer's keys ``[B, H, n', D]``, values and positions ``[B, n']``: the stored ones (`keys`,
+    `values`, `positions`, as `RowKeys.padded` lays them), then, in a forward whose new tokens are not all stored
+    (a window's forward longer than it keeps), the real new tokens' as the layer computed them, each row's placed
+    so that every `VALUE_TILE` columns hold the keys of the same real indices in any forward
+    (`RowKeys.by_real_index`): a query's tiles of values are then the same whether its window's first key is read
+    (a prefill) or not (a decode step), and zeros fill the rest."""
+    batch_size, heads = keys.shape[:2]
+    new = inputs.new_states
+    index = inputs.row_keys.by_real_index(VALUE_TILE, keys.shape[2], inputs.queries if new is not None else None)
+    null_positions = positions.new_full((batch_size, 1), PAST_EVERY_QUERY)
+    source_positions = [null_positions, positions]  # [B, 1], [B, n_s]
+    if new is not None:
+        source_positions.append(inputs.queries.positions.unsqueeze(0).expand(batch_size, -1))  # [B, q]
+
+    def placed(stored: torch.Tensor, fresh: torch.Tensor | None) -> torch.Tensor:  # [B, H, n', dim]
+        sources = [stored.new_zeros(batch_size, heads, 1, stored.shape[-1]), stored]
+        if fresh is not None:
+            sources.append(fresh.to(stored.dtype))
+        columns = index.view(batch_size, 1, -1, 1).expand(-1, heads, -1, stored.shape[-1])
+        return torch.cat(sources, dim=2).gather(2, columns)
+
+    return (placed(keys, None if new is None else new[0]), placed(values, None if new is None else new[1]),
+            torch.cat(source_positions, dim=1).gather(1, index))
 
 
 def _row_states(storage: StoredStates, row_keys: RowKeys, batch_size: int) -> torch.Tensor:
@@ -234,34 +251,34 @@ def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int
 
 
 def _window_probe(head_dim: int, groups: int, dtype: torch.dtype, window: int, rows: int) -> str:
-    """Why a sliding-window layer's query over a full window of keys (one product over them all, `_Call.attend`)
-    would get other bits beside rows whose keys run longer (the window's block slack), or after keys masked in front
-    (those out of its window, read or not depending on the forward); "" when it would not."""
+    """Why a sliding-window layer's query over a full window of keys would get other bits beside rows whose keys run
+    longer, or with more keys masked in front (whole tiles of them: the window's keys start at the same column of a
+    tile in any forward, `_by_real_index`, but a prefill reads keys before the window that a decode step does not);
+    "" when it would not."""
     generator = torch.Generator().manual_seed(1)
     call, heads = _Call(2, groups, head_dim ** -0.5, None, window=window, rows=rows), 2
-    length = min(window, 4096)
+    length, lead = min(window, 4096), 5  # the window's keys, after `lead` masked ones in their first tile
     keys, values = _cancelling_states(*(torch.randn(2, heads, length, head_dim, generator=generator).to(dtype)
                                         for _ in range(2)))
     queries = call.head_rows(_cancelling_queries(torch.randn(2, heads, 1, groups, head_dim,
                                                              generator=generator).to(dtype)))
 
-    def attend(count: int, lead: int = 0, slack: int = 0) -> torch.Tensor:
-        """The first query's output, among `count` rows whose keys follow `lead` masked ones, padded with zero keys
+    def attend(count: int, front: int = lead, slack: int = 0) -> torch.Tensor:
+        """The first query's output, among `count` rows whose keys follow `front` masked ones, padded with zero keys
         to whole `KEY_TILE`s and `slack` more."""
-        size = -(-(lead + length) // KEY_TILE) * KEY_TILE + slack
+        size = -(-(front + length) // KEY_TILE) * KEY_TILE + slack
         seen = torch.zeros(count, 1, call.padded_groups, size, dtype=torch.bool)
-        seen[..., lead : lead + length] = True
-        padded = [F.pad(states[:count], (0, 0, lead, size - length - lead)) for states in (keys, values)]
+        seen[..., front : front + length] = True
+        padded = [F.pad(states[:count], (0, 0, front, size - length - front)) for states in (keys, values)]
         return call.attend(queries[:count], *padded, seen)[:1]
 
     alone = attend(1)
     for slack in (KEY_TILE, 3 * KEY_TILE):
         if not torch.equal(attend(2, slack=slack), alone):
-            return (f"a query over a window of {length} keys changed beside a row of {slack} keys more (the sliding "
-                    f"window's one product over its keys)")
-    for lead in (5, 16, 240):
-        if not torch.equal(attend(1, lead=lead), alone):
-            return f"a query over a window of {length} keys changed after {lead} masked keys"
+            return f"a query over a window of {length} keys changed beside a row of {slack} keys more"
+    for tiles in (1, 2, 5):
+        if not torch.equal(attend(1, front=lead + tiles * VALUE_TILE), alone):
+            return f"a query over a window of {length} keys changed after {tiles * VALUE_TILE} more masked keys"
     return ""
 
 

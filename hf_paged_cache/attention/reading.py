@@ -89,7 +89,9 @@ def build_row_keys(index: ForwardSlots, offset: int) -> RowKeys:
     for count in counts:
         spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
         start += count
-    return RowKeys(slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans)
+    before = index.is_real[:, :offset].sum(dim=1).tolist()  # real positions not read, per row
+    return RowKeys(slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans,
+                   before=before)
 
 
 def build_query_rows(index: ForwardSlots) -> QueryRows:

@@ -38,11 +38,15 @@ class RowKeys:
     slots: list[torch.Tensor]  # per row b: [n_b] pool slots of its real keys
     positions: list[torch.Tensor]  # per row b: [n_b] their logical positions
     spans: list[tuple[int, int]]  # per row b: its first and last key position (n_b >= 1 for a row with queries)
+    # per row b: its real positions before the first one read (a sliding window's keys out of every query's reach)
+    before: list[int] = field(default_factory=list)
     # key_tile -> ([B, n'] slots, [B, n'] positions): every row's keys from the first column, padded to a multiple
     # of key_tile positions with the null block's slot 0 (zeros) at a position past every query (`invariant`)
     _padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     # (key_tile, heads, storage slots) -> `row_major`
     _row_major: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    # (tile, stored width, whether new tokens follow) -> `by_real_index`
+    _by_real_index: dict[tuple[int, int, bool], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def padded(self, key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``([B, n'], [B, n'])``: every row's slots and positions from the first column, padded at the end to
@@ -67,6 +71,31 @@ class RowKeys:
             offsets = torch.arange(heads, device=slots.device).view(1, heads, 1) * capacity  # [1, H, 1]
             self._row_major[key] = (offsets + slots.unsqueeze(1)).view(-1)  # [B, H, n'] -> [B * H * n']
         return self._row_major[key]
+
+
+    def by_real_index(self, tile: int, width: int, new: QueryRows | None) -> torch.Tensor:
+        """``[B, n']``: where each column of every row's keys comes from, for keys laid out by their index among the
+        row's real tokens: column j of row b holds the key of real index ``tile * (r_b // tile) + j``, where r_b is
+        the index of the row's first key read (`before`), so that columns ``tile * k`` on always hold the same keys
+        of a row whatever the forward reads (a sliding window's first key read moves with the forward). Sources: 0
+        is a null key, ``1 + i`` the i-th of a row's `padded` stored keys (`width` columns), ``1 + width + i`` the
+        forward's i-th new token (with `new`: a window's longer forward, whose new keys are not all stored; its real
+        ones follow the stored keys). ``n'``: the longest row's columns, rounded up to `tile`. Made once per forward.
+        """
+        key = (tile, width, new is not None)
+        if key not in self._by_real_index:
+            rows = []
+            for b, (slots, before) in enumerate(zip(self.slots, self.before, strict=True)):
+                sources = [0] * (before % tile) + list(range(1, 1 + slots.shape[0]))
+                if new is not None:
+                    picked = new.picked[b]
+                    fresh = range(new.positions.shape[0]) if picked is None else picked.tolist()
+                    sources += [1 + width + i for i in fresh]
+                rows.append(sources)
+            length = -(-max(max(map(len, rows)), 1) // tile) * tile
+            index = [row + [0] * (length - len(row)) for row in rows]
+            self._by_real_index[key] = torch.tensor(index, dtype=torch.long, device=self.slots[0].device)
+        return self._by_real_index[key]
 
 
 @dataclass

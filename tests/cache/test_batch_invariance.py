@@ -118,6 +118,31 @@ def test_scoring_a_text_gives_the_logits_it_was_generated_with(model_type, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [80, 200])
+def test_a_window_wider_than_a_tile_scores_a_text_as_it_generated_it(window, dtype):
+    """A sliding window of more keys than a tile of values (64), on a prompt longer than the window: the decode steps
+    read the keys from the window's first block, the prefill from position 0. With one product over a window's
+    keys (before `_by_real_index`) the float32 scores here differed from the generated ones, and bfloat16 windows
+    were refused (their products rounded otherwise after masked keys in front)."""
+    config = AutoConfig.for_model("mistral", vocab_size=VOCAB, max_position_embeddings=1024, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=None, **{**WIDE["mistral"], "sliding_window": window})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    target = prompt(length=window + 90)
+    generated, tokens = greedy_logits(model, target, 1, 0, invariant=True)
+    amid, _ = greedy_logits(model, target, 7, 3, invariant=True)
+    text = torch.cat([target, tokens]).unsqueeze(0)  # [1, P + N]
+    picked = slice(target.shape[0] - 1, target.shape[0] - 1 + NEW_TOKENS)
+    with torch.no_grad():
+        whole = model(input_ids=text, cache=PagedCache(model, batch_invariant=True)).logits[0]
+        cache = PagedCache(model, batch_invariant=True)
+        chunks = torch.cat([model(input_ids=part, cache=cache).logits[0] for part in text.split([37, text.shape[1] - 37], 1)])
+    assert torch.equal(amid, generated)
+    assert torch.equal(whole[picked], generated)
+    assert torch.equal(chunks[picked], generated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_batcher_gives_a_request_the_same_logprobs_alone_and_amid_others(dtype):
     """Through the continuous batcher: alone, amid 11 other requests (packed steps, chunks, other rows), as a
     prefix hit, and with n-gram speculation, a request's log-probabilities are the same bits; scored afterwards
