@@ -136,7 +136,8 @@ def test_a_window_wider_than_a_tile_scores_a_text_as_it_generated_it(window, dty
     with torch.no_grad():
         whole = model(input_ids=text, cache=PagedCache(model, batch_invariant=True)).logits[0]
         cache = PagedCache(model, batch_invariant=True)
-        chunks = torch.cat([model(input_ids=part, cache=cache).logits[0] for part in text.split([37, text.shape[1] - 37], 1)])
+        parts = text.split([37, text.shape[1] - 37], 1)  # the first chunk shorter than the window
+        chunks = torch.cat([model(input_ids=part, cache=cache).logits[0] for part in parts])
     assert torch.equal(amid, generated)
     assert torch.equal(whole[picked], generated)
     assert torch.equal(chunks[picked], generated)
