@@ -7,9 +7,9 @@ query came in, and between a prefill and a decode step. Here every query, in any
 way: its own row's keys and values, gathered from the pool and padded with zeros at the end to a whole number of
 `KEY_TILE` positions, masked past the query's position; the query heads that share a key/value head, padded with
 zero rows to a multiple of 4, 8 or 16 (`head_rows`: the first whose products hold here), multiplied by them in a
-batched product; a float32 softmax; the values
-weighted tile by tile (`weighted_values`: a product per `VALUE_TILE` key positions, the tiles added in position order,
-since one product over all of a forward's keys may split its sum by their padded length). A decode forward
+batched product; a float32 softmax; the values weighted tile by tile (`weighted_values`: a product per
+`VALUE_TILE` key positions, the tiles added in position order, since one product over all of a forward's keys may
+split its sum by their padded length). A decode forward
 attends all its rows in one batched call of each, a longer forward each row's queries in tiles of queries. The
 padding only appends exact zeros to every sum, and the products sum each row of theirs in an order that neither
 the other rows nor the padding change: so a query's output depends on its row's keys and values and nothing else,
@@ -141,13 +141,14 @@ class _Call:
 
 
 def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``[N, H, M, Dv]`` float32: `weights` ``[N, H, M, n']`` (float32) times `values` ``[N, H, n', Dv]`` (slot i
-    holding position i), summed tile by tile: one product per `VALUE_TILE` key positions (zero keys added to fill
-    the last), then the tiles' products added one after another in position order. One product over all n' keys lets
-    the kernel split its sum by n', which the forward's longest row sets (measured on an Intel Xeon with AMX:
-    float32 products over 1,024 keys, and over the same keys followed by 16 or more zero ones, always round
-    differently; bfloat16 ones now and then, from 112 keys); a product of one tile's keys always has one shape, and
-    trailing zero tiles add nothing."""
+    """``[N, H, M, Dv]`` float32: `weights` ``[N, H, M, n']`` (float32) times `values` ``[N, H, n', Dv]`` (column i
+    holding a row's key of real index i, or the i-th from a multiple of `VALUE_TILE`), summed tile by tile: one
+    product per `VALUE_TILE` key positions (zero keys added to fill the last), then the tiles' products added one
+    after another in position order. One product over all n' keys lets the kernel split its sum by n', which the
+    forward's longest row sets (measured on an Intel Xeon with AMX: float32 products over 1,024 keys, and over
+    the same keys followed by 16 or more zero ones, always round differently; bfloat16 ones now and then, from
+    112 keys); a product of one tile's keys always has one shape, and zero tiles (padding after, masked keys in
+    front) add nothing."""
     n, h, m, keys = weights.shape
     spare = -keys % VALUE_TILE
     if spare:
@@ -238,8 +239,8 @@ def head_rows(head_dim: int, groups: int, dtype: torch.dtype, threads: int) -> i
 @functools.cache
 def attention_probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, window: int | None = None) -> str:
     """Why `attend_invariant` would give a query other bits beside other queries or over more key padding, at
-    `threads` threads: no `head_rows` serves, or, given a sliding `window`, its layers' one product over the window
-    (`_window_probe`) fails; "" when neither. Cached."""
+    `threads` threads: no `head_rows` serves, or, given a sliding `window`, a query over the window fails
+    `_window_probe`; "" when neither. Cached."""
     try:
         rows = head_rows(head_dim, groups, dtype, threads)
     except RuntimeError as error:
