@@ -72,7 +72,6 @@ class RowKeys:
             self._row_major[key] = (offsets + slots.unsqueeze(1)).view(-1)  # [B, H, n'] -> [B * H * n']
         return self._row_major[key]
 
-
     def by_real_index(self, tile: int, width: int, new: QueryRows | None) -> torch.Tensor:
         """``[B, n']``: where each column of every row's keys comes from, for keys laid out by their index among the
         row's real tokens: column j of row b holds the key of real index ``tile * (r_b // tile) + j``, where r_b is
