@@ -9,11 +9,11 @@ way: its own row's keys and values, gathered from the pool and padded with zeros
 zero rows to a multiple of 4, 8 or 16 (`head_rows`: the first whose products hold here), multiplied by them in a
 batched product; a float32 softmax; the values weighted tile by tile (`weighted_values`: a product per
 `VALUE_TILE` key positions, the tiles added in position order, since one product over all of a forward's keys may
-split its sum by their padded length). A decode forward
-attends all its rows in one batched call of each, a longer forward each row's queries in tiles of queries. The
-padding only appends exact zeros to every sum, and the products sum each row of theirs in an order that neither
-the other rows nor the padding change: so a query's output depends on its row's keys and values and nothing else,
-alone or among 63 other rows, in a prefill, a chunk, a decode step or a verification of drafted tokens.
+split its sum by their padded length). A decode forward attends all its rows in one batched call of each, a
+longer forward each row's queries in tiles of queries. The padding only appends exact zeros to every sum, and the
+products sum each row of theirs in an order that neither the other rows nor the padding change: so a query's
+output depends on its row's keys and values and nothing else, alone or among 63 other rows, in a prefill, a
+chunk, a decode step or a verification of drafted tokens.
 On a sliding-window layer the keys read start where the window does, which moves with the forward (a prefill
 reads keys a decode step no longer holds): there each row's keys are placed by their index among its real tokens
 (`_by_real_index`), so that a tile of values holds the same keys in any forward, the keys outside a query's window
@@ -341,7 +341,8 @@ def _probe(head_dim: int, groups: int, dtype: torch.dtype, threads: int, multipl
         keys, values = random(2, heads, long, head_dim), random(2, heads, long, head_dim)
         queries = random(2, heads, 1, groups, head_dim)
         if cancelling:
-            _cancelling_states(keys, values), _cancelling_queries(queries)
+            _cancelling_states(keys, values)
+            _cancelling_queries(queries)
         alone = attend(queries[:1], F.pad(keys[:1], (0, 0, 0, 8)), F.pad(values[:1], (0, 0, 0, 8)), length=long)
         for size in (1024, 1040, 2048):
             beside = [F.pad(states, (0, 0, 0, size - long)) for states in (keys, values)]

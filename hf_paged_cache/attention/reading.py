@@ -89,7 +89,8 @@ def build_row_keys(index: ForwardSlots, offset: int) -> RowKeys:
     for count in counts:
         spans.append((flat[start], flat[start + count - 1]) if count else (0, -1))
         start += count
-    before = index.is_real[:, :offset].sum(dim=1).tolist()  # real positions not read, per row
+    # real positions not read, per row (a sliding window's; no op for the usual offset 0)
+    before = index.is_real[:, :offset].sum(dim=1).tolist() if offset else [0] * len(counts)
     return RowKeys(slots=list(slots.split(counts)), positions=list(positions.split(counts)), spans=spans,
                    before=before)
 

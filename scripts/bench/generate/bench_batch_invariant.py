@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default: 3)")
     parser.add_argument("--out", type=Path, default=None, help="write the results to this JSON file (default: none)")
     args = parser.parse_args(argv)
-    result = {"model": args.model or "default", "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
-              "dtypes": {}}
+    result = {"model": args.model or "default", "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "dtypes": {}}
     for dtype_name in args.dtypes.split(","):
         base, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype_name)
         models = {mode: copy.deepcopy(base) for mode in MODES}
