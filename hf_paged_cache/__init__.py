@@ -8,6 +8,7 @@ from .attention import (
     set_paged_attention,
 )
 from .cache import CacheStats, GroupStats, PagedCache, PagedCrossAttentionCache, PagedEncoderDecoderCache
+from .compiled import CompiledForward
 from .engine import BatcherStats, ContinuousBatcher, RequestHandle, generate_many
 from .errors import BatcherClosed, KVMemoryError, PoolExhaustedError, QueueFullError, RequestCancelled
 from .pool import BlockPool, KVLayout, KVPool, LayerGroup, LayerShape, bytes_per_block, parse_memory
@@ -21,6 +22,7 @@ __all__ = [
     "BatcherStats",
     "BlockPool",
     "CacheStats",
+    "CompiledForward",
     "ContinuousBatcher",
     "GroupStats",
     "KVLayout",

@@ -35,7 +35,7 @@ from ..pool.memory import dense_attention_kinds
 from .decode import DECODE_KERNELS, attend_decode
 from .invariant import attend_invariant
 from .prefill import attend_rows
-from .reads import PAGED_INPUTS, PackedAttentionInputs, PagedAttentionInputs
+from .reads import PAGED_INPUTS, RUNNING_CACHE, PackedAttentionInputs, PagedAttentionInputs
 from .softmax import explicit_attention
 
 ATTENTION_NAME = "paged_sdpa"
@@ -74,7 +74,8 @@ def paged_sdpa_attention(
         softcap: if set, scores become ``softcap * tanh(scores / softcap)`` before masking.
         decode: how a decode forward's rows attend (`DECODE_KERNELS`): what ``paged_bmm`` and ``paged_flex`` set.
         kwargs: ``s_aux`` (``[Hq]`` sink logits, gpt-oss), ``paged_attention_inputs`` (from `PagedCache`, or
-            from a packed forward's `PackedCaches`, whose `query` is ``[1, Hq, T, D]``).
+            from a packed forward's `PackedCaches`, whose `query` is ``[1, Hq, T, D]``), ``paged_running_cache``
+            (`RUNNING_CACHE`: a compiled forward's, whose cache is not handed to the model).
     Returns:
         ``([B, q, Hq, D], None)``, the layout transformers' attention modules expect.
     """
@@ -84,6 +85,11 @@ def paged_sdpa_attention(
         raise NotImplementedError(f"{ATTENTION_NAME} does not support position_bias; use 'sdpa' or 'eager'")
     sinks = kwargs.get("s_aux")
     dropout = dropout if module.training else 0.0
+    if kwargs.get(RUNNING_CACHE):  # a compiled forward: the cache is written and read inside one opaque op
+        if dropout:
+            raise NotImplementedError("a compiled forward attends without dropout: put the model in eval mode")
+        attend = torch.ops.hf_paged_cache.running_cache_attention
+        return attend(query, key, value, module.layer_idx, scaling, softcap, sinks, decode), None
     paged = kwargs.get(PAGED_INPUTS)
     if isinstance(paged, PackedAttentionInputs):
         return attend_packed(query, paged, scaling, softcap, sinks, dropout, decode), None

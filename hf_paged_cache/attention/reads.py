@@ -29,6 +29,10 @@ PAST_EVERY_QUERY = 1 << 62
 exact)."""
 PAGED_INPUTS = "paged_attention_inputs"
 """The attention-kwargs key under which `PagedCache.update` leaves a `PagedAttentionInputs` for `paged_sdpa`."""
+RUNNING_CACHE = "paged_running_cache"
+"""The keyword a compiled forward hands the model (``True``), which transformers passes on to each attention call:
+``paged_sdpa`` then attends through ``torch.ops.hf_paged_cache.running_cache_attention`` (`compiled`), which stores
+into and reads from the cache of the forward running on this thread."""
 
 
 @dataclass

@@ -24,11 +24,11 @@ from .server_process import HOST, running_process
 CONTENDERS = (
     "ours", "transformers", "batcher", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "batcher-flex", "vllm",
     "ours-preloaded", "vllm-preloaded", "ray-prefix", "ray-pow2", "ray-single", "ours-spec", "vllm-spec",
-    "ours-json", "vllm-json", "ours-int8", "ours-int4", "ours-bound", "ours-invariant",
+    "ours-json", "vllm-json", "ours-int8", "ours-int4", "ours-bound", "ours-invariant", "ours-compiled",
 )
 PRELOADED = "-preloaded"  # a contender with this suffix: the one before it, started with LD_PRELOAD=--preload
 OUR_SERVERS = ("ours", "ours-stock", "ours-timed", "ours-bmm", "ours-flex", "ours-spec", "ours-int8",
-               "ours-int4", "ours-bound", "ours-invariant")
+               "ours-int4", "ours-bound", "ours-invariant", "ours-compiled")
 BOUND_THREADS = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}  # ours-bound: OpenMP's threads, one per core
 VLLM_SERVERS = ("vllm", "vllm-spec")
 SPECULATIVE = ("ours-spec", "vllm-spec")  # n-gram prompt lookup: --speculative-tokens drafts a step
@@ -98,6 +98,7 @@ class ServerSettings:
                      "ours-flex": ["--flex-decode", *plain],
                      "ours-int8": ["--quantize", "int8", *plain], "ours-int4": ["--quantize", "int4", *plain],
                      "ours-bound": plain, "ours-invariant": ["--batch-invariant", *plain],
+                     "ours-compiled": ["--compile", *plain],
                      "ours-spec": ["--speculative", "ngram", "--speculative-tokens", str(self.speculative_tokens)],
                      }[contender]
             return [sys.executable, "-m", "hf_paged_cache.serve", self.model_path, "--device", "cpu", "--dtype",

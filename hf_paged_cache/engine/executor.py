@@ -26,6 +26,7 @@ from collections.abc import Callable
 from transformers import PreTrainedModel
 
 from ..cache.packed_caches import PackingUnsupported
+from ..compiled import CompiledForward
 from .constraints import Constraint, MaskFiller
 from .forwards import StepForwards
 from .plan import StepPlan
@@ -39,8 +40,8 @@ class StepExecutor:
     """Runs `StepPlan`s on `model` and reports a `StepResult` for each: what each request of the plan kept, or
     why it failed."""
 
-    def __init__(self, model: PreTrainedModel):
-        self.forwards = StepForwards(model)
+    def __init__(self, model: PreTrainedModel, compiled: CompiledForward | None = None):
+        self.forwards = StepForwards(model, compiled)
         self.packed_steps = 0  # steps run as one packed forward so far
         self.times = StepTimes()  # replaced whole after each step: any thread may read it
         self._fillers: dict[Callable[[], MaskFiller], MaskFiller] = {}  # one per kind of constraint, made on use

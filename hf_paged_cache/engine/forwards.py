@@ -5,7 +5,8 @@ row, or ``1 + k`` with drafts), a prompt chunk in a forward of its own request's
 in one forward over one sequence (`cache.packed_forward`). A forward that raises leaves every cache as it was
 (each `PagedCache` rolls its step back); one that returns leaves its caches pending (``manual_commit``) until
 the executor commits or settles them. An encoder-decoder model's forwards take their encoder inputs as
-`engine.encoder_inputs` says.
+`engine.encoder_inputs` says. With a `CompiledForward`, every forward but those reading media runs it, packed
+(one segment or more): one compiled graph for every shape.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..cache.encoder_decoder import PagedEncoderDecoderCache
 from ..cache.packed_caches import Segment
 from ..cache.packed_forward import packed_forward
 from ..cache.paged_cache import PagedCache
+from ..compiled import CompiledForward
 from ..speculative.speculator import Drafts
 from .encoder_inputs import encode, encoder_stand_in, row_positions
 from .plan import Chunk, StepPlan
@@ -25,10 +27,11 @@ from .request import Request
 
 
 class StepForwards:
-    """The forwards of `model` that steps are made of."""
+    """The forwards of `model` that steps are made of (through `compiled` when given)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, compiled: CompiledForward | None = None):
         self.model = model
+        self.compiled = compiled
 
     def decode(self, cache: PagedCache, requests: list[Request], drafts: Drafts | None = None) -> torch.Tensor:
         """One new token for each row of `cache` (left pending), after its `drafts` if any: the logits ``[B, V]``
@@ -38,6 +41,10 @@ class StepForwards:
             return self._decode_encoder_decoder(cache, input_ids, positions, mask)
         if drafts is not None:
             cache.expect_drafts(drafts.k)
+        if self.compiled is not None:
+            rows, q = input_ids.shape
+            logits = self._compiled([Segment(cache, input_ids, positions, mask)], range(rows * q))  # [B * q, V]
+            return logits.view(rows, q, -1) if drafts is not None else logits
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if drafts is not None else 1)
         return out.logits if drafts is not None else out.logits[:, -1]
@@ -48,6 +55,11 @@ class StepForwards:
         device = self.model.device
         if chunk.request.encoder is not None:
             return self._chunk_encoder_decoder(chunk)
+        if self.compiled is not None and not chunk.reads_media:
+            length = len(chunk.tokens)
+            positions = torch.arange(chunk.start, chunk.start + length).unsqueeze(0)  # [1, c]
+            wanted = range(length) if chunk.request.needs_prompt_logprobs else [length - 1]
+            return self._compiled([Segment(chunk.cache, torch.tensor([chunk.tokens]), positions)], wanted)
         media = {}
         if chunk.reads_media:  # its images' tensors, and the ids that key its blocks (`engine.media`)
             media = chunk.request.media.chunk_inputs(chunk.start, len(chunk.tokens))
@@ -60,6 +72,10 @@ class StepForwards:
             **media,
         )
         return out.logits[0]
+
+    def _compiled(self, segments: list[Segment], logits_at: range | list[int]) -> torch.Tensor:
+        """The logits ``[len(logits_at), V]`` of one compiled packed forward over `segments` (left pending)."""
+        return packed_forward(self.model, segments, list(logits_at), self.compiled)
 
     def encode(self, chunks: list[Chunk]) -> None:
         """Run the encoder for the chunks' requests that need it, in one batch (`encoder_inputs.encode`)."""
@@ -116,7 +132,8 @@ class StepForwards:
             end += len(chunk.tokens)
         if drafts is not None and running:
             cache.expect_drafts(drafts.k)
-        logits = packed_forward(self.model, segments, logits_at)  # [len(logits_at), V]; every cache pending
+        # [len(logits_at), V]; every cache pending
+        logits = packed_forward(self.model, segments, logits_at, self.compiled)
         return logits, chunk_rows, [segment.cache for segment in segments]
 
     def decode_inputs(

@@ -104,6 +104,8 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if torch.compiler.is_compiling():  # inductor packs frozen weights itself (`compiled.forward`)
+            return F.linear(x, weight, self.bias)
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         small = self.stock_below and x.numel() < self.stock_below * x.shape[-1]  # fewer rows than stock_below
         stock = wants_grad or small or weight.device.type != "cpu" or x.dtype != weight.dtype

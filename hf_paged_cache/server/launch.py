@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="each request's logits the same bits whatever other requests share its steps, and the "
                              "same when its text is scored (echo) as when it was generated (docs/determinism.md)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the model's forwards as one graph compiled by inductor around the paged attention: "
+                             "faster steps, logits equal to float32 rounding; start-up compiles it (about a minute "
+                             "for the default model); decoder-only attention models (docs/performance-notes.md)")
     parser.add_argument("--reuse-prompt-scores", action=argparse.BooleanOptionalAction, default=True,
                         help="keep scored prompts' log-probabilities (echo, prompt_logprobs) by block, so a prompt "
                              "that starts with the same blocks computes only the rest (default: on)")
@@ -265,6 +269,7 @@ def load_batcher(options: argparse.Namespace) -> tuple[ContinuousBatcher, Any]:
         tokenizer=tokenizer, reserve_new_tokens=options.reserve_new_tokens, kv_dtype=options.kv_dtype,
         speculative=_speculative_option(options, dtype, model), speculative_tokens=options.speculative_tokens,
         batch_invariant=options.batch_invariant, reuse_prompt_scores=options.reuse_prompt_scores,
+        compile=options.compile,
     )
     _log_pool(batcher)
     if options.flex_decode:

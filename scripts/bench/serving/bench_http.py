@@ -54,6 +54,8 @@ the standard workload is a streamed ``POST /v1/completions``. Contenders (``--co
 - ``ours-bound`` (not in the default list): ``ours`` with ``OMP_PROC_BIND=close OMP_PLACES=cores`` (OpenMP's
   threads bound to cores, one each);
 - ``ours-invariant`` (not in the default list): ``ours`` with ``--batch-invariant`` (docs/determinism.md);
+- ``ours-compiled`` (not in the default list): ``ours`` with ``--compile`` (the forwards as one inductor graph,
+  `hf_paged_cache.compiled`; its start-up compiles it);
 - ``vllm`` (not in the default list: it needs vLLM's CPU build in a virtualenv of its own, ``--vllm-python``):
   ``VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1) VLLM_PYTHON -m vllm.entrypoints.openai.api_server --model MODEL
   --served-model-name NAME --dtype DTYPE --host 127.0.0.1 --port P --kv-cache-memory-bytes BUDGET

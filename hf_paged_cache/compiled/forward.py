@@ -1,0 +1,86 @@
+"""`CompiledForward`: a decoder's forward compiled by inductor around the paged cache, one graph per shape family.
+
+An eager decode step of a small model spends much of its time between the kernels: dozens of small element-wise
+ops per layer (norms, rotary, residual adds, activations), each a dispatch, and the Python of every module. Compiled
+whole, inductor fuses that work into a few loops and the module Python goes. Dynamo cannot trace the cache, so the
+model runs with none: each attention layer calls one opaque operator (`running_attention`) that stores into the
+cache of the running forward and attends from its pool.
+
+The linear layers are frozen (``freezing``): inductor treats the weights as constants and multiplies through
+oneDNN on weights it packed once, as `kernels.packed_linear` does eagerly. So a model compiled here must not have
+its weights changed afterwards; build another `CompiledForward` if they are.
+
+Every forward runs packed (`cache.packed_forward`: one ``[1, T]`` sequence of one segment or more) and its lengths
+are unbacked symbols, so one graph serves every step: decode rows, prompt chunks, drafts, any mix of them. The first
+forward compiles it (about a minute for SmolLM2-135M on two cores). Compiled and eager forwards compute the same
+products in other orders (fused loops, other kernels): logits agree to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from ..attention.paged_sdpa import PAGED_ATTENTION_NAMES
+from ..attention.reads import RUNNING_CACHE
+from ..kinds import layer_kinds
+from ..kinds.encoder_decoder import is_encoder_decoder
+from .running_attention import running_cache
+
+
+def compile_refusal(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot run a `CompiledForward`, or None when it can."""
+    config = model.config
+    if is_encoder_decoder(config):
+        return f"{config.model_type!r} is an encoder-decoder model"
+    kinds = {spec.kind.name for spec in layer_kinds(config) if not spec.kind.tokens or spec.kind.state
+             or spec.kind.dense_only or spec.kind.indexer}
+    if kinds:
+        return f"{config.model_type!r} has {', '.join(sorted(kinds))} layers; only attention layers compile"
+    if getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
+        return f"{config.model_type!r} stores latent keys (MLA), which its attention expands outside the pool"
+    if model.training:
+        return "the model is in training mode (call model.eval())"
+    attention = getattr(config.get_text_config(decoder=True), "_attn_implementation", None)
+    if attention not in PAGED_ATTENTION_NAMES:
+        return f"its attention is {attention!r}, not one of {PAGED_ATTENTION_NAMES} (set_paged_attention)"
+    return None
+
+
+class CompiledForward:
+    """`model`'s forward compiled around the paged cache (see the module docstring), run as a packed forward is.
+
+    Raises `NotImplementedError` naming the reason for a model it cannot compile (`compile_refusal`).
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        refusal = compile_refusal(model)
+        if refusal is not None:
+            raise NotImplementedError(f"cannot compile {type(model).__name__}'s forward: {refusal}")
+        self.model = model
+        self.layers = len(layer_kinds(model.config))  # attention calls a forward makes
+        self._forward = torch.compile(model.forward, dynamic=True, options={"freezing": True})
+        # a 4D mask is taken as given, so transformers builds none (the running attention masks by the block tables)
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
+
+    def run(self, cache: Cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+            logits_at: torch.Tensor) -> torch.Tensor:
+        """The logits ``[len(logits_at), V]`` of one forward of the packed sequence `input_ids` ``[1, T]`` (at
+        `position_ids` ``[1, T]``), storing into `cache`: the `PackedCaches` of `cache.packed_forward`, whose
+        members observed their inputs and are left as the forward left them (their caller ends them).
+
+        Raises `RuntimeError` when a layer attended without the operator (a model that does not pass its
+        attention kwargs on): such a forward would have attended to its new tokens alone.
+        """
+        # unbacked lengths: no guard on their values, so one graph serves every length (1 included)
+        for tensor, dim in ((input_ids, 1), (position_ids, 1), (logits_at, 0)):
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        with torch.no_grad(), running_cache(cache) as running:
+            out = self._forward(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask,
+                                use_cache=False, logits_to_keep=logits_at, **{RUNNING_CACHE: True})
+        if running.attended != self.layers:
+            raise RuntimeError(
+                f"{type(self.model).__name__}'s compiled forward attended {running.attended} of its {self.layers} "
+                "layers through the paged cache: its attention layers do not pass their kwargs on"
+            )
+        return out.logits[0]
