@@ -6,9 +6,9 @@ whole, inductor fuses that work into a few loops and the module Python goes. Dyn
 model runs with none: each attention layer calls one opaque operator (`running_attention`) that stores into the
 cache of the running forward and attends from its pool.
 
-The linear layers are frozen (``freezing``): inductor treats the weights as constants and multiplies through
-oneDNN on weights it packed once, as `kernels.packed_linear` does eagerly. So a model compiled here must not have
-its weights changed afterwards; build another `CompiledForward` if they are.
+Packed linear layers (`kernels.pack_linears`) stay opaque operators too, multiplying by their oneDNN-packed weights:
+inductor, which cannot know a step's row count in advance, would call ``mm`` for them (MKL's small-batch kernels,
+slow on some CPUs). Other layers (stock or quantized) are compiled as they come.
 
 Every forward runs packed (`cache.packed_forward`: one ``[1, T]`` sequence of one segment or more) and its lengths
 are unbacked symbols, so one graph serves every step: decode rows, prompt chunks, drafts, any mix of them. The first
@@ -59,7 +59,7 @@ class CompiledForward:
             raise NotImplementedError(f"cannot compile {type(model).__name__}'s forward: {refusal}")
         self.model = model
         self.layers = len(layer_kinds(model.config))  # attention calls a forward makes
-        self._forward = torch.compile(model.forward, dynamic=True, options={"freezing": True})
+        self._forward = torch.compile(model.forward, dynamic=True)
         # a 4D mask is taken as given, so transformers builds none (the running attention masks by the block tables)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
 

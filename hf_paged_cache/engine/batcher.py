@@ -118,11 +118,7 @@ class ContinuousBatcher:
             (`engine.prompt_scores`; up to `PROMPT_SCORE_BLOCKS` blocks); False computes every such prompt whole.
             Bitwise what a computation gives again in batch-invariant mode; in the default mode the numbers
             the first computation gave.
-        compile: run the model's forwards through one graph compiled by inductor (`compiled.CompiledForward`):
-            the element-wise work between the kernels fused, the modules' Python gone. The first forward compiles
-            (about a minute for SmolLM2-135M on two cores); logits agree with the eager forward's to float32
-            rounding, not bit for bit. Decoder-only attention models only (`NotImplementedError` naming the reason
-            otherwise); not with `batch_invariant` (`ValueError`). A draft model's forwards stay eager.
+        compile: run the forwards as one graph compiled by inductor (`compiled_forward`): logits equal to float32.
 
     `submit` is thread-safe and starts the loop on first use, ending the calling thread's idle OpenMP workers
     (`kernels.openmp_pool`: with them, every op of the loop's thread would run slower). `close` (or leaving
@@ -169,10 +165,7 @@ class ContinuousBatcher:
                 set_paged_attention(model)
             except NotImplementedError:
                 pass  # e.g. Falcon: its own attention reads the dense K/V; results are exact either way
-        if compile and batch_invariant:
-            raise ValueError("compile=True cannot keep batch_invariant: inductor's kernels sum in orders that depend "
-                             "on the rows of a step")
-        compiled = CompiledForward(model) if compile else None  # NotImplementedError for a model it cannot run
+        compiled = compiled_forward(model, batch_invariant) if compile else None
         max_running = as_count("max_running", max_running or DEFAULT_MAX_RUNNING, 1)
         sequences = None if pool is not None or max_memory is None else max_running  # a budget's state slots
         running_cache = PagedCache(
@@ -453,6 +446,21 @@ def _token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if not ids:
         raise ValueError("submit() needs a prompt of at least one token")
     return ids
+
+
+def compiled_forward(model: PreTrainedModel, batch_invariant: bool) -> CompiledForward:
+    """The batcher's compiled forward of `model` (`compiled.CompiledForward`): the element-wise work between the
+    kernels fused, the modules' Python gone; the first forward compiles it (about a minute for SmolLM2-135M on two
+    cores).
+
+    Raises:
+        NotImplementedError: naming the reason, for a model it cannot run (only decoder-only attention models).
+        ValueError: with `batch_invariant`, which inductor's kernels cannot keep.
+    """
+    if batch_invariant:
+        raise ValueError("compile=True cannot keep batch_invariant: inductor's kernels sum in orders that depend "
+                         "on the rows of a step")
+    return CompiledForward(model)
 
 
 def _decoder_start(model: PreTrainedModel) -> tuple[int, ...] | None:

@@ -16,12 +16,19 @@ Whether oneDNN takes a dtype on this CPU is asked, not assumed (`packing_probe`)
 AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and on an AVX2-only CPU it raises at the first product. `pack_linears`
 leaves the layers of a dtype the probe refuses on the stock kernels, with one log line naming the reason, and
 `PackedLinear` itself takes the stock path for such a dtype (a model cast after packing).
+
+Under ``torch.compile`` a `PackedLinear` calls ``torch.ops.hf_paged_cache.packed_linear``, an operator opaque to
+inductor whose body runs the layer's own eager forward (a graph can hold the layer's number, not the layer or its
+packed weight, which is no tensor inductor can trace): so a compiled forward keeps the packed products, which
+inductor would otherwise replace with ``mm`` calls for any shape it does not know in advance.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
@@ -83,6 +90,31 @@ def packing_probe(dtype: torch.dtype) -> Probe:
     return Probe(True, "")
 
 
+_LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+"""The `PackedLinear` layers alive, by `PackedLinear.number`: what the compiled operator looks its layer up in."""
+_NUMBERS = itertools.count()
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, number: int) -> torch.Tensor:
+    """`PackedLinear` `number`'s product of `x` ``[..., in]`` (its `weight` and `bias` are passed so the graph
+    orders the call after any change to them): ``[..., out]``."""
+    layer = _LAYERS.get(number)
+    if layer is None:
+        raise RuntimeError(f"packed linear layer {number} no longer exists")
+    return layer.eager_forward(x)
+
+
+# defined with the low-level API: `torch.library.custom_op`'s wrapper costs ~35 us a call, as much as a small product
+_LIBRARY = torch.library.Library("hf_paged_cache", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, int number) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hf_paged_cache::packed_linear", lib=_LIBRARY)
+def _(x, weight, bias, number) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that multiplies by a oneDNN-packed copy of its weight when no gradient is wanted.
 
@@ -101,11 +133,17 @@ class PackedLinear(nn.Linear):
         self.stock_below = stock_below
         self._packed: torch.Tensor | None = None
         self._packed_from: tuple[int, int, torch.dtype, torch.device] | None = None
+        self.number = next(_NUMBERS)  # this layer in `_LAYERS`, for the compiled operator
+        _LAYERS[self.number] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return torch.ops.hf_paged_cache.packed_linear(x, self.weight, self.bias, self.number)
+        return self.eager_forward(x)
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The product, through the packed weight when no gradient is wanted (else the stock kernel)."""
         weight = self.weight
-        if torch.compiler.is_compiling():  # inductor packs frozen weights itself (`compiled.forward`)
-            return F.linear(x, weight, self.bias)
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         small = self.stock_below and x.numel() < self.stock_below * x.shape[-1]  # fewer rows than stock_below
         stock = wants_grad or small or weight.device.type != "cpu" or x.dtype != weight.dtype

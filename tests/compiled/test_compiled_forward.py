@@ -17,12 +17,15 @@ from hf_paged_cache import CompiledForward, ContinuousBatcher, PagedCache, set_p
 from hf_paged_cache.cache.packed_caches import Segment
 from hf_paged_cache.cache.packed_forward import packed_forward
 from hf_paged_cache.compiled import running_attention
+from hf_paged_cache.kernels import pack_linears
+from hf_paged_cache.kernels.packed_linear import PackedLinear
 
 
 @pytest.fixture(scope="module")
 def model():
     model = tiny_model("llama")
     set_paged_attention(model)
+    pack_linears(model)  # as the server runs it: the packed products stay operators of their own in the graph
     return model
 
 
@@ -59,6 +62,16 @@ def test_batcher_compiled_gives_each_request_its_tokens_alone(model, speculative
     assert batcher.packed_steps > 0
     if speculative == "ngram":
         assert batcher.stats().speculation.steps > 0  # drafts verified through the compiled graph
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])  # q/k norms; sliding-window and full layers
+def test_other_architectures_compiled_give_the_tokens_alone(model_type):
+    other = tiny_model(model_type)
+    set_paged_attention(other)
+    work = requests(8, seed=5)
+    expected = [alone(other, prompt, max_new_tokens=new) for prompt, new in work]
+    got, _ = _run_batcher(other, work, compile=True)
+    assert got == expected
 
 
 def test_compiled_packed_forward_matches_eager_logits(model, compiled):
@@ -107,6 +120,23 @@ def test_a_failing_forward_leaves_the_cache_as_it_was(model, compiled, monkeypat
     assert [blocks.num_free for blocks in cache.pool.groups] == free
     logits = packed_forward(model, [Segment(cache, prompt[:, :1], torch.full((1, 1), 10))], [0], compiled)
     assert logits.shape == (1, model.config.vocab_size)
+
+
+def test_a_packed_linear_layer_compiles_to_its_own_operator():
+    layer = PackedLinear(torch.nn.Linear(64, 96))
+    graphs = []
+
+    def record(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(layer, backend=record, dynamic=True, fullgraph=True)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        got, eager = compiled(x), layer(x)
+    assert torch.equal(got, eager)  # the same packed product, not a product inductor chose
+    targets = {node.target for node in graphs[0].graph.nodes}
+    assert torch.ops.hf_paged_cache.packed_linear in targets
 
 
 def test_the_operator_outside_a_compiled_forward_says_so():

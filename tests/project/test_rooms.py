@@ -42,6 +42,7 @@ def reaching(room: str, others: tuple[str, ...]) -> dict[str, set[str]]:
     ("speculative", (f"{NAME}.engine", f"{NAME}.server", *HTTP_STACK)),
     ("structured", (f"{NAME}.engine", f"{NAME}.server", *HTTP_STACK)),
     ("cache", (f"{NAME}.engine", f"{NAME}.speculative", f"{NAME}.server", *HTTP_STACK)),
+    ("compiled", (f"{NAME}.engine", f"{NAME}.speculative", f"{NAME}.server", *HTTP_STACK)),
 ])
 def test_a_room_imports_nothing_of_the_rooms_after_it(room, forbidden):
     assert not reaching(room, forbidden), f"{room} reaches what it must not: {reaching(room, forbidden)}"

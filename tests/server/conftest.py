@@ -29,15 +29,16 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_servers(model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """Servers on `model_dir`, started side by side: ``main`` (`SERVER_OPTIONS`), ``stock``
-    (``--no-packed-linears``) and ``int8`` (``--kv-dtype int8 --quantize int8``: int8 keys and values, and
-    weights). test_server.py's SIGTERM test stops ``stock``."""
+    (``--no-packed-linears``), ``int8`` (``--kv-dtype int8 --quantize int8``: int8 keys and values, and
+    weights) and ``compiled`` (``--compile``). test_server.py's SIGTERM test stops ``stock``."""
     logs = tmp_path_factory.mktemp("server-logs")
     with run_servers([
         (model_dir, logs / "main.log", *SERVER_OPTIONS),
         (model_dir, logs / "stock.log", "--num-blocks", "64", "--no-packed-linears"),
         (model_dir, logs / "int8.log", "--max-memory", "1MiB", "--kv-dtype", "int8", "--quantize", "int8"),
+        (model_dir, logs / "compiled.log", "--num-blocks", "128", "--compile"),
     ]) as running:
-        yield dict(zip(("main", "stock", "int8"), running))
+        yield dict(zip(("main", "stock", "int8", "compiled"), running))
 
 
 @pytest.fixture(scope="session")
