@@ -15,7 +15,6 @@ to ``cache.update``); otherwise `PackingUnsupported` is raised before anything i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from dataclasses import replace
 
 import torch
@@ -23,20 +22,13 @@ from transformers import PreTrainedModel
 
 from .packed_caches import PackedCaches, Segment
 
-if TYPE_CHECKING:
-    from ..compiled import CompiledForward
 
-
-def packed_forward(
-    model: PreTrainedModel, segments: Sequence[Segment], logits_at: Sequence[int],
-    compiled: CompiledForward | None = None,
-) -> torch.Tensor:
+def packed_forward(model: PreTrainedModel, segments: Sequence[Segment], logits_at: Sequence[int]) -> torch.Tensor:
     """Run `model` once over every segment's new tokens; returns the logits ``[len(logits_at), vocab]``.
 
     Args:
         segments: the caches and their new tokens, each cache in at most one segment (``start`` is set here).
         logits_at: indices in the packed sequence (`Segment.start` onwards) whose logits to compute.
-        compiled: run the forward through this compiled forward of `model` rather than eagerly.
 
     All or nothing: if the forward fails anywhere (the LM head included), every segment's cache is rolled back
     before the error is raised; else each keeps its forward (or leaves it pending, for a ``manual_commit`` cache).
@@ -53,16 +45,12 @@ def packed_forward(
             segment.input_ids, segment.attention_mask, segment.length, segment.position_ids, attention, hooked=True
         )
     device = model.device
-    # [1, T], each a tensor of its own (not a view: a compiled forward would guard on its base's size)
-    input_ids = torch.cat([s.input_ids.reshape(1, -1).to(device) for s in placed], dim=1)
-    position_ids = torch.cat([s.position_ids.reshape(1, -1).to(device) for s in placed], dim=1)
+    input_ids = torch.cat([s.input_ids.reshape(-1).to(device) for s in placed]).unsqueeze(0)  # [1, T]
+    position_ids = torch.cat([s.position_ids.reshape(-1).to(device) for s in placed]).unsqueeze(0)  # [1, T]
     try:
-        keep = torch.tensor(list(logits_at), device=device)
-        if compiled is not None:
-            logits = compiled.run(PackedCaches(placed), input_ids, position_ids, keep)
-        else:
-            logits = model(input_ids=input_ids, position_ids=position_ids, cache=PackedCaches(placed), use_cache=True,
-                           logits_to_keep=keep).logits[0]
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=PackedCaches(placed), use_cache=True,
+                    logits_to_keep=torch.tensor(list(logits_at), device=device))
+        logits = out.logits[0]
     except BaseException:
         for segment in placed:
             segment.cache.forward_ended(failed=True)

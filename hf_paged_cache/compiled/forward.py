@@ -10,10 +10,11 @@ Packed linear layers (`kernels.pack_linears`) stay opaque operators too, multipl
 inductor, which cannot know a step's row count in advance, would call ``mm`` for them (MKL's small-batch kernels,
 slow on some CPUs). Other layers (stock or quantized) are compiled as they come.
 
-Every forward runs packed (`cache.packed_forward`: one ``[1, T]`` sequence of one segment or more) and its lengths
-are unbacked symbols, so one graph serves every step: decode rows, prompt chunks, drafts, any mix of them. The first
-forward compiles it (about a minute for SmolLM2-135M on two cores). Compiled and eager forwards compute the same
-products in other orders (fused loops, other kernels): logits agree to float32 rounding, not bit for bit.
+It compiles the forwards that the glue dominates: a cache's rows taking one token each (decode), or a few (drafts).
+Their sizes are unbacked symbols, so one graph serves every batch size (and one more, every draft length: their
+logits are kept at every position). The first forward compiles it (about a minute for SmolLM2-135M on two cores the
+first time, about 25 s from inductor's disk cache). Compiled and eager forwards compute the same products in other
+orders (fused loops): logits agree to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def compile_refusal(model: PreTrainedModel) -> str | None:
 
 
 class CompiledForward:
-    """`model`'s forward compiled around the paged cache (see the module docstring), run as a packed forward is.
+    """`model`'s forward compiled around the paged cache (see the module docstring), for the forwards of a cache's
+    rows that each take one or a few new tokens (decode steps, with or without drafts).
 
     Raises `NotImplementedError` naming the reason for a model it cannot compile (`compile_refusal`).
     """
@@ -58,29 +60,43 @@ class CompiledForward:
         if refusal is not None:
             raise NotImplementedError(f"cannot compile {type(model).__name__}'s forward: {refusal}")
         self.model = model
+        self.attention = model.config.get_text_config(decoder=True)._attn_implementation
         self.layers = len(layer_kinds(model.config))  # attention calls a forward makes
         self._forward = torch.compile(model.forward, dynamic=True)
         # a 4D mask is taken as given, so transformers builds none (the running attention masks by the block tables)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
 
-    def run(self, cache: Cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            logits_at: torch.Tensor) -> torch.Tensor:
-        """The logits ``[len(logits_at), V]`` of one forward of the packed sequence `input_ids` ``[1, T]`` (at
-        `position_ids` ``[1, T]``), storing into `cache`: the `PackedCaches` of `cache.packed_forward`, whose
-        members observed their inputs and are left as the forward left them (their caller ends them).
+    def __call__(self, cache: Cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1) -> torch.Tensor:
+        """The logits ``[B, kept, V]`` of one forward of `cache`'s rows (a `PagedCache` built from the model) over
+        `input_ids` ``[B, q]`` at `position_ids` ``[B, q]``; `attention_mask` ``[B, L]`` tells padding, as for the
+        eager forward. The cache observes the inputs first and hears how the forward ended, as from the model's
+        hooks in an eager forward: a forward that raises leaves it as it was.
 
-        Raises `RuntimeError` when a layer attended without the operator (a model that does not pass its
-        attention kwargs on): such a forward would have attended to its new tokens alone.
+        Raises `RuntimeError` when a layer attended without the operator (a model that does not pass its attention
+        kwargs on): such a forward would have attended to its new tokens alone.
         """
-        # unbacked lengths: no guard on their values, so one graph serves every length (1 included)
-        for tensor, dim in ((input_ids, 1), (position_ids, 1), (logits_at, 0)):
-            torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        with torch.no_grad(), running_cache(cache) as running:
-            out = self._forward(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask,
-                                use_cache=False, logits_to_keep=logits_at, **{RUNNING_CACHE: True})
-        if running.attended != self.layers:
-            raise RuntimeError(
-                f"{type(self.model).__name__}'s compiled forward attended {running.attended} of its {self.layers} "
-                "layers through the paged cache: its attention layers do not pass their kwargs on"
-            )
-        return out.logits[0]
+        if getattr(cache, "batch_invariant", False):
+            raise NotImplementedError("a batch-invariant cache cannot run a compiled forward: inductor's kernels "
+                                      "sum in orders that depend on the batch")
+        input_ids = input_ids.clone()  # a tensor of its own: the graph would guard on a view's base
+        position_ids = position_ids.clone()
+        cache.observe_inputs(input_ids, attention_mask, input_ids.shape[1], position_ids, self.attention, hooked=True)
+        # unbacked sizes: no guard on their values, so one graph serves every batch and length (1 included)
+        for tensor in (input_ids, position_ids):
+            torch._dynamo.decorators.mark_unbacked(tensor, 0)
+            torch._dynamo.decorators.mark_unbacked(tensor, 1)
+        try:
+            with torch.no_grad(), running_cache(cache) as running:
+                out = self._forward(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask,
+                                    use_cache=False, logits_to_keep=logits_to_keep, **{RUNNING_CACHE: True})
+            if running.attended != self.layers:
+                raise RuntimeError(
+                    f"{type(self.model).__name__}'s compiled forward attended {running.attended} of its "
+                    f"{self.layers} layers through the paged cache: its attention layers do not pass their kwargs on"
+                )
+        except BaseException:
+            cache.forward_ended(failed=True)
+            raise
+        cache.forward_ended(failed=False)
+        return out.logits

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache
 
-from ..attention.paged_sdpa import attend_from_pool, attend_packed
-from ..attention.reads import PAGED_INPUTS, PackedAttentionInputs
+from ..attention.paged_sdpa import attend_from_pool
+from ..attention.reads import PAGED_INPUTS
 
 
 @dataclass
 class RunningForward:
     """The cache a compiled forward on this thread stores into, and how many attention calls it served."""
 
-    cache: Cache  # a `PagedCache`, or the `PackedCaches` of a packed forward
+    cache: Cache  # a `PagedCache` built from the model
     attended: int = 0
 
 
@@ -61,7 +61,7 @@ def running_cache_attention(
     decode: str,
 ) -> torch.Tensor:
     """Store layer `layer_idx`'s new `key`/`value` ``[B, Hkv, q, D]`` in the running cache and attend `query`
-    ``[B, Hq, q, D]`` from the pool; returns ``[B, q, Hq, Dv]`` (a packed forward's ``B`` is 1)."""
+    ``[B, Hq, q, D]`` from the pool; returns ``[B, q, Hq, Dv]``."""
     running = _running.forward
     if running is None:
         raise RuntimeError("running_cache_attention was called outside a compiled forward (running_cache)")
@@ -71,8 +71,6 @@ def running_cache_attention(
     paged = attention_kwargs.get(PAGED_INPUTS)
     if paged is None:
         raise RuntimeError(f"{type(running.cache).__name__} did not lay out attention from its pool")
-    if isinstance(paged, PackedAttentionInputs):
-        return attend_packed(query, paged, scaling, softcap, sinks, decode=decode)
     return attend_from_pool(query, paged, scaling, softcap, sinks, decode=decode).contiguous()
 
 

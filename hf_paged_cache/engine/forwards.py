@@ -5,8 +5,7 @@ row, or ``1 + k`` with drafts), a prompt chunk in a forward of its own request's
 in one forward over one sequence (`cache.packed_forward`). A forward that raises leaves every cache as it was
 (each `PagedCache` rolls its step back); one that returns leaves its caches pending (``manual_commit``) until
 the executor commits or settles them. An encoder-decoder model's forwards take their encoder inputs as
-`engine.encoder_inputs` says. With a `CompiledForward`, every forward but those reading media runs it, packed
-(one segment or more): one compiled graph for every shape.
+`engine.encoder_inputs` says. With a `CompiledForward`, the decode forwards (the running rows alone) run it.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from .request import Request
 
 
 class StepForwards:
-    """The forwards of `model` that steps are made of (through `compiled` when given)."""
+    """The forwards of `model` that steps are made of (the decode forwards through `compiled`, when given)."""
 
     def __init__(self, model: PreTrainedModel, compiled: CompiledForward | None = None):
         self.model = model
@@ -42,9 +41,8 @@ class StepForwards:
         if drafts is not None:
             cache.expect_drafts(drafts.k)
         if self.compiled is not None:
-            rows, q = input_ids.shape
-            logits = self._compiled([Segment(cache, input_ids, positions, mask)], range(rows * q))  # [B * q, V]
-            return logits.view(rows, q, -1) if drafts is not None else logits
+            logits = self.compiled(cache, input_ids, positions, mask, logits_to_keep=0 if drafts is not None else 1)
+            return logits if drafts is not None else logits[:, -1]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if drafts is not None else 1)
         return out.logits if drafts is not None else out.logits[:, -1]
@@ -55,11 +53,6 @@ class StepForwards:
         device = self.model.device
         if chunk.request.encoder is not None:
             return self._chunk_encoder_decoder(chunk)
-        if self.compiled is not None and not chunk.reads_media:
-            length = len(chunk.tokens)
-            positions = torch.arange(chunk.start, chunk.start + length).unsqueeze(0)  # [1, c]
-            wanted = range(length) if chunk.request.needs_prompt_logprobs else [length - 1]
-            return self._compiled([Segment(chunk.cache, torch.tensor([chunk.tokens]), positions)], wanted)
         media = {}
         if chunk.reads_media:  # its images' tensors, and the ids that key its blocks (`engine.media`)
             media = chunk.request.media.chunk_inputs(chunk.start, len(chunk.tokens))
@@ -72,10 +65,6 @@ class StepForwards:
             **media,
         )
         return out.logits[0]
-
-    def _compiled(self, segments: list[Segment], logits_at: range | list[int]) -> torch.Tensor:
-        """The logits ``[len(logits_at), V]`` of one compiled packed forward over `segments` (left pending)."""
-        return packed_forward(self.model, segments, list(logits_at), self.compiled)
 
     def encode(self, chunks: list[Chunk]) -> None:
         """Run the encoder for the chunks' requests that need it, in one batch (`encoder_inputs.encode`)."""
@@ -132,8 +121,7 @@ class StepForwards:
             end += len(chunk.tokens)
         if drafts is not None and running:
             cache.expect_drafts(drafts.k)
-        # [len(logits_at), V]; every cache pending
-        logits = packed_forward(self.model, segments, logits_at, self.compiled)
+        logits = packed_forward(self.model, segments, logits_at)  # [len(logits_at), V]; every cache pending
         return logits, chunk_rows, [segment.cache for segment in segments]
 
     def decode_inputs(

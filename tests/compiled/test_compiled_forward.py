@@ -1,7 +1,8 @@
-"""CompiledForward: the batcher's forwards as one inductor graph around the paged attention, same greedy tokens.
+"""CompiledForward: the batcher's decode forwards as one inductor graph around the paged attention, the same greedy
+tokens and logits equal to float32 rounding.
 
-One model is compiled for the module (a compile takes seconds even for a tiny model): every shape family of the
-batcher (decode rows, prompt chunks, packed steps, drafts) runs through its single graph.
+One model is compiled for the module (a compile takes seconds even for a tiny model): every batch size runs through
+one graph, draft steps through one more.
 """
 
 import threading
@@ -14,8 +15,6 @@ from tiny_models import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_paged_cache import CompiledForward, ContinuousBatcher, PagedCache, set_paged_attention
-from hf_paged_cache.cache.packed_caches import Segment
-from hf_paged_cache.cache.packed_forward import packed_forward
 from hf_paged_cache.compiled import running_attention
 from hf_paged_cache.kernels import pack_linears
 from hf_paged_cache.kernels.packed_linear import PackedLinear
@@ -74,36 +73,52 @@ def test_other_architectures_compiled_give_the_tokens_alone(model_type):
     assert got == expected
 
 
-def test_compiled_packed_forward_matches_eager_logits(model, compiled):
-    generator = torch.Generator().manual_seed(0)
+def _prefilled(model, prompts: list[list[int]]) -> PagedCache:
+    """A cache of ragged rows (left-padded), their prompts computed eagerly and kept."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    cache = PagedCache(model, num_blocks=64, block_size=4, manual_commit=True)
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    cache.commit()
+    return cache
 
-    def forward(run_compiled: bool) -> torch.Tensor:
-        first = PagedCache(model, num_blocks=64, block_size=4, manual_commit=True)
-        second = PagedCache(model, num_blocks=64, block_size=4, manual_commit=True)
-        prompts = torch.randint(3, 96, (3, 9), generator=generator.manual_seed(1))
-        segments = [Segment(first, prompts, torch.arange(9).expand(3, 9)),
-                    Segment(second, prompts[:1, :5], torch.arange(5).unsqueeze(0))]
-        logits = [packed_forward(model, segments, list(range(32)), compiled if run_compiled else None)]
-        first.commit(), second.commit()
-        step = [Segment(first, prompts[:, :1], torch.full((3, 1), 9)),
-                Segment(second, prompts[:1, 5:], torch.arange(5, 9).unsqueeze(0))]
-        logits.append(packed_forward(model, step, list(range(7)), compiled if run_compiled else None))
-        return torch.cat(logits)
 
-    with torch.no_grad():  # as the batcher runs it: the pool holds no gradients
-        eager, got = forward(False), forward(True)
-    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+def _step_inputs(cache: PagedCache, prompts: list[list[int]], new: torch.Tensor, step: int):
+    positions = torch.tensor([[len(p) + step + j for j in range(new.shape[1])] for p in prompts])  # [B, q]
+    mask = torch.cat([cache.is_real.long(), torch.ones_like(new)], dim=1)  # [B, L + q]
+    return positions, mask
+
+
+@torch.no_grad()  # as the batcher runs it: the pool holds no gradients
+def test_compiled_decode_matches_the_eager_forward(model, compiled):
+    """Ragged rows, one token a step, then three at once (drafts: every position's logits)."""
+    prompts = [[5, 9, 13, 2, 7, 11, 3], [4, 8], [6, 10, 14, 18, 22]]
+    eager_cache, compiled_cache = _prefilled(model, prompts), _prefilled(model, prompts)
+    generator = torch.Generator().manual_seed(4)
+    step = 0
+    for q in [1, 1, 3, 1]:
+        new = torch.randint(3, 96, (3, q), generator=generator)
+        positions, mask = _step_inputs(eager_cache, prompts, new, step)
+        keep = 0 if q > 1 else 1
+        eager = model(input_ids=new, attention_mask=mask, position_ids=positions, cache=eager_cache, use_cache=True,
+                      logits_to_keep=keep).logits
+        got = compiled(compiled_cache, new, positions, mask, logits_to_keep=keep)
+        eager_cache.commit(), compiled_cache.commit()
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), eager.argmax(-1))
+        step += q
+    assert compiled_cache.get_seq_length() == eager_cache.get_seq_length()
 
 
 @torch.no_grad()
 def test_a_failing_forward_leaves_the_cache_as_it_was(model, compiled, monkeypatch):
-    cache = PagedCache(model, num_blocks=64, block_size=4, manual_commit=True)
-    prompt = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
-    packed_forward(model, [Segment(cache, prompt, torch.arange(10).unsqueeze(0))], [9], compiled)
-    cache.commit()
+    prompts = [[5, 9, 13, 2], [4, 8, 12]]
+    cache = _prefilled(model, prompts)
     free = [blocks.num_free for blocks in cache.pool.groups]
-    real = running_attention.attend_packed
+    new = torch.tensor([[7], [9]])
+    positions, mask = _step_inputs(cache, prompts, new, 0)
+    real = running_attention.attend_from_pool
     calls = []
 
     def fails_at_the_second_layer(*args, **kwargs):
@@ -112,14 +127,17 @@ def test_a_failing_forward_leaves_the_cache_as_it_was(model, compiled, monkeypat
             raise Injected("in the second layer's attention")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(running_attention, "attend_packed", fails_at_the_second_layer)
+    monkeypatch.setattr(running_attention, "attend_from_pool", fails_at_the_second_layer)
     with pytest.raises(Injected):
-        packed_forward(model, [Segment(cache, prompt[:, :1], torch.full((1, 1), 10))], [0], compiled)
+        compiled(cache, new, positions, mask)
     monkeypatch.undo()
-    assert cache.get_seq_length() == 10
+    assert cache.get_seq_length() == 4
     assert [blocks.num_free for blocks in cache.pool.groups] == free
-    logits = packed_forward(model, [Segment(cache, prompt[:, :1], torch.full((1, 1), 10))], [0], compiled)
-    assert logits.shape == (1, model.config.vocab_size)
+    logits = compiled(cache, new, positions, mask)
+    cache.commit()
+    eager = model(input_ids=new, attention_mask=mask, position_ids=positions, cache=_prefilled(model, prompts),
+                  use_cache=True, logits_to_keep=1).logits
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_packed_linear_layer_compiles_to_its_own_operator():
