@@ -11,8 +11,8 @@ inductor, which cannot know a step's row count in advance, would call ``mm`` for
 slow on some CPUs). Other layers (stock or quantized) are compiled as they come.
 
 It compiles the forwards that the glue dominates: a cache's rows taking one token each (decode), or a few (drafts).
-Their sizes are unbacked symbols, so one graph serves every batch size (and one more, every draft length: their
-logits are kept at every position). The first forward compiles it (about a minute for SmolLM2-135M on two cores the
+Their sizes are unbacked symbols and every position's logits are kept, so one graph serves every batch size and
+every draft length. The first forward compiles it (about a minute for SmolLM2-135M on two cores the
 first time, about 25 s from inductor's disk cache). Compiled and eager forwards compute the same products in other
 orders (fused loops): logits agree to float32 rounding, not bit for bit.
 """
@@ -67,8 +67,8 @@ class CompiledForward:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
 
     def __call__(self, cache: Cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1) -> torch.Tensor:
-        """The logits ``[B, kept, V]`` of one forward of `cache`'s rows (a `PagedCache` built from the model) over
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits ``[B, q, V]`` (every position's) of one forward of `cache`'s rows (a `PagedCache` built from the model) over
         `input_ids` ``[B, q]`` at `position_ids` ``[B, q]``; `attention_mask` ``[B, L]`` tells padding, as for the
         eager forward. The cache observes the inputs first and hears how the forward ended, as from the model's
         hooks in an eager forward: a forward that raises leaves it as it was.
@@ -89,7 +89,7 @@ class CompiledForward:
         try:
             with torch.no_grad(), running_cache(cache) as running:
                 out = self._forward(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask,
-                                    use_cache=False, logits_to_keep=logits_to_keep, **{RUNNING_CACHE: True})
+                                    use_cache=False, logits_to_keep=0, **{RUNNING_CACHE: True})
             if running.attended != self.layers:
                 raise RuntimeError(
                     f"{type(self.model).__name__}'s compiled forward attended {running.attended} of its "

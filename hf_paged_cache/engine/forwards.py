@@ -40,8 +40,8 @@ class StepForwards:
             return self._decode_encoder_decoder(cache, input_ids, positions, mask)
         if drafts is not None:
             cache.expect_drafts(drafts.k)
-        if self.compiled is not None:
-            logits = self.compiled(cache, input_ids, positions, mask, logits_to_keep=0 if drafts is not None else 1)
+        if self.compiled is not None:  # every position's logits: with or without drafts, one graph
+            logits = self.compiled(cache, input_ids, positions, mask)  # [B, q, V]
             return logits if drafts is not None else logits[:, -1]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=0 if drafts is not None else 1)

@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each request's logits the same bits whatever other requests share its steps, and the "
                              "same when its text is scored (echo) as when it was generated (docs/determinism.md)")
     parser.add_argument("--compile", action="store_true",
-                        help="run the model's forwards as one graph compiled by inductor around the paged attention: "
-                             "faster steps, logits equal to float32 rounding; start-up compiles it (about a minute "
-                             "for the default model); decoder-only attention models (docs/performance-notes.md)")
+                        help="run decode steps as one graph compiled by inductor around the paged attention (logits "
+                             "equal to float32 rounding); the first request compiles it: about a minute for the "
+                             "default model, less from inductor's disk cache (docs/performance-notes.md)")
     parser.add_argument("--reuse-prompt-scores", action=argparse.BooleanOptionalAction, default=True,
                         help="keep scored prompts' log-probabilities (echo, prompt_logprobs) by block, so a prompt "
                              "that starts with the same blocks computes only the rest (default: on)")

@@ -1,8 +1,8 @@
 """CompiledForward: the batcher's decode forwards as one inductor graph around the paged attention, the same greedy
 tokens and logits equal to float32 rounding.
 
-One model is compiled for the module (a compile takes seconds even for a tiny model): every batch size runs through
-one graph, draft steps through one more.
+One model is compiled for the module (a compile takes seconds even for a tiny model): every batch size and draft
+length runs through one graph.
 """
 
 import threading
@@ -63,9 +63,8 @@ def test_batcher_compiled_gives_each_request_its_tokens_alone(model, speculative
         assert batcher.stats().speculation.steps > 0  # drafts verified through the compiled graph
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])  # q/k norms; sliding-window and full layers
-def test_other_architectures_compiled_give_the_tokens_alone(model_type):
-    other = tiny_model(model_type)
+def test_sliding_window_layers_compiled_give_the_tokens_alone():
+    other = tiny_model("gemma3_text")  # sliding-window and full layers, q/k norms
     set_paged_attention(other)
     work = requests(8, seed=5)
     expected = [alone(other, prompt, max_new_tokens=new) for prompt, new in work]
@@ -92,7 +91,7 @@ def _step_inputs(cache: PagedCache, prompts: list[list[int]], new: torch.Tensor,
 
 @torch.no_grad()  # as the batcher runs it: the pool holds no gradients
 def test_compiled_decode_matches_the_eager_forward(model, compiled):
-    """Ragged rows, one token a step, then three at once (drafts: every position's logits)."""
+    """Ragged rows, one token a step, then three at once (drafts), through one graph."""
     prompts = [[5, 9, 13, 2, 7, 11, 3], [4, 8], [6, 10, 14, 18, 22]]
     eager_cache, compiled_cache = _prefilled(model, prompts), _prefilled(model, prompts)
     generator = torch.Generator().manual_seed(4)
@@ -100,10 +99,9 @@ def test_compiled_decode_matches_the_eager_forward(model, compiled):
     for q in [1, 1, 3, 1]:
         new = torch.randint(3, 96, (3, q), generator=generator)
         positions, mask = _step_inputs(eager_cache, prompts, new, step)
-        keep = 0 if q > 1 else 1
         eager = model(input_ids=new, attention_mask=mask, position_ids=positions, cache=eager_cache, use_cache=True,
-                      logits_to_keep=keep).logits
-        got = compiled(compiled_cache, new, positions, mask, logits_to_keep=keep)
+                      logits_to_keep=0).logits
+        got = compiled(compiled_cache, new, positions, mask)
         eager_cache.commit(), compiled_cache.commit()
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.argmax(-1), eager.argmax(-1))
@@ -137,7 +135,7 @@ def test_a_failing_forward_leaves_the_cache_as_it_was(model, compiled, monkeypat
     cache.commit()
     eager = model(input_ids=new, attention_mask=mask, position_ids=positions, cache=_prefilled(model, prompts),
                   use_cache=True, logits_to_keep=1).logits
-    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, -1:], eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_packed_linear_layer_compiles_to_its_own_operator():
