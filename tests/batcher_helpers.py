@@ -1,5 +1,6 @@
 """What the batcher's tests share: ragged requests, each request's reference alone, waiting, an empty pool."""
 
+import threading
 import time
 
 import torch
@@ -25,6 +26,23 @@ def alone(model, prompt: list[int], **kwargs) -> list[int]:
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
                          **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def from_four_clients(batcher, work: list[tuple[list[int], int]], timeout: float = 120.0) -> list[list[int]]:
+    """Each request's tokens, submitted by 4 client threads (request i by client i % 4), in request order."""
+    results: dict[int, list[int]] = {}
+
+    def client(first: int) -> None:
+        handles = [(i, batcher.submit(work[i][0], max_new_tokens=work[i][1])) for i in range(first, len(work), 4)]
+        for i, handle in handles:
+            results[i] = handle.result(timeout=timeout)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [results[i] for i in range(len(work))]
 
 
 def wait_until(condition, timeout=60.0):

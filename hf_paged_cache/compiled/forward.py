@@ -1,4 +1,4 @@
-"""`CompiledForward`: a decoder's forward compiled by inductor around the paged cache, one graph per shape family.
+"""`CompiledForward`: a decoder's decode forward compiled by inductor around the paged cache, as one graph.
 
 An eager decode step of a small model spends much of its time between the kernels: dozens of small element-wise
 ops per layer (norms, rotary, residual adds, activations), each a dispatch, and the Python of every module. Compiled
@@ -32,17 +32,18 @@ from .running_attention import running_cache
 def compile_refusal(model: PreTrainedModel) -> str | None:
     """Why `model` cannot run a `CompiledForward`, or None when it can."""
     config = model.config
+    text = config.get_text_config(decoder=True)
     if is_encoder_decoder(config):
         return f"{config.model_type!r} is an encoder-decoder model"
     kinds = {spec.kind.name for spec in layer_kinds(config) if not spec.kind.tokens or spec.kind.state
              or spec.kind.dense_only or spec.kind.indexer}
     if kinds:
         return f"{config.model_type!r} has {', '.join(sorted(kinds))} layers; only attention layers compile"
-    if getattr(config.get_text_config(decoder=True), "kv_lora_rank", None):
+    if getattr(text, "kv_lora_rank", None):
         return f"{config.model_type!r} stores latent keys (MLA), which its attention expands outside the pool"
     if model.training:
         return "the model is in training mode (call model.eval())"
-    attention = getattr(config.get_text_config(decoder=True), "_attn_implementation", None)
+    attention = getattr(text, "_attn_implementation", None)
     if attention not in PAGED_ATTENTION_NAMES:
         return f"its attention is {attention!r}, not one of {PAGED_ATTENTION_NAMES} (set_paged_attention)"
     return None
@@ -68,10 +69,10 @@ class CompiledForward:
 
     def __call__(self, cache: Cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits ``[B, q, V]`` (every position's) of one forward of `cache`'s rows (a `PagedCache` built from the model) over
-        `input_ids` ``[B, q]`` at `position_ids` ``[B, q]``; `attention_mask` ``[B, L]`` tells padding, as for the
-        eager forward. The cache observes the inputs first and hears how the forward ended, as from the model's
-        hooks in an eager forward: a forward that raises leaves it as it was.
+        """The logits ``[B, q, V]`` (every position's) of one forward of `cache`'s rows (a `PagedCache` built from
+        the model) over `input_ids` ``[B, q]`` at `position_ids` ``[B, q]``; `attention_mask` ``[B, L]`` tells
+        padding, as for the eager forward. The cache observes the inputs first and hears how the forward ended, as
+        from the model's hooks in an eager forward: a forward that raises leaves it as it was.
 
         Raises `RuntimeError` when a layer attended without the operator (a model that does not pass its attention
         kwargs on): such a forward would have attended to its new tokens alone.

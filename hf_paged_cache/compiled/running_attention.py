@@ -5,8 +5,8 @@ a `PagedCache`'s Python (block tables, the pool's free lists). Each attention la
 ``torch.ops.hf_paged_cache.running_cache_attention`` on its new queries, keys and values. The operator's body runs
 eagerly: it stores the keys and values in the cache of the forward running on this thread (`running_cache`) and
 attends from the pool, as ``paged_sdpa`` does in an eager forward. Inductor sees a function of tensors with a known
-output shape, and compiles everything between two such calls (norms, rotary, residual adds, activations, the
-linear layers) into one graph per shape.
+output shape, and compiles everything between two such calls (norms, rotary, residual adds, activations) into one
+graph; packed linear layers are operators of their own (`kernels.packed_linear`).
 """
 
 from __future__ import annotations

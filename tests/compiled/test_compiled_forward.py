@@ -5,11 +5,10 @@ One model is compiled for the module (a compile takes seconds even for a tiny mo
 length runs through one graph.
 """
 
-import threading
 
 import pytest
 import torch
-from batcher_helpers import alone, assert_pool_empty, requests
+from batcher_helpers import alone, assert_pool_empty, from_four_clients, requests
 from faults import Injected
 from tiny_models import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
@@ -34,21 +33,10 @@ def compiled(model):
 
 
 def _run_batcher(model, work, **kwargs):
-    results: dict[int, list[int]] = {}
     with ContinuousBatcher(model, block_size=4, max_step_tokens=48, max_running=12, **kwargs) as batcher:
-
-        def client(first: int) -> None:
-            handles = [(i, batcher.submit(work[i][0], max_new_tokens=work[i][1])) for i in range(first, len(work), 4)]
-            for i, handle in handles:
-                results[i] = handle.result(timeout=300)
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        got = from_four_clients(batcher, work, timeout=300)
     assert_pool_empty(batcher)
-    return [results[i] for i in range(len(work))], batcher
+    return got, batcher
 
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])

@@ -1,10 +1,9 @@
 """ContinuousBatcher: many requests on one pool give what each would get from generate() alone."""
 
-import threading
 
 import pytest
 import torch
-from batcher_helpers import alone, assert_pool_empty, requests
+from batcher_helpers import alone, assert_pool_empty, from_four_clients, requests
 from faults import Injected, fail_next, poison
 from tiny_models import tiny_model
 
@@ -18,20 +17,9 @@ def test_32_requests_from_4_threads_match_generate_alone(model_type):
     model = tiny_model(model_type)
     work = requests(32)
     expected = [alone(model, prompt, max_new_tokens=new) for prompt, new in work]
-    results: dict[int, list[int]] = {}
     with ContinuousBatcher(model, block_size=4, max_step_tokens=48, max_running=12) as batcher:
-
-        def client(first: int) -> None:
-            handles = [(i, batcher.submit(work[i][0], max_new_tokens=work[i][1])) for i in range(first, 32, 4)]
-            for i, handle in handles:
-                results[i] = handle.result(timeout=120)
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert [results[i] for i in range(32)] == expected
+        got = from_four_clients(batcher, work)
+    assert got == expected
     assert batcher.packed_steps > 0
     assert_pool_empty(batcher)
 
